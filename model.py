@@ -1,0 +1,847 @@
+"""
+A GPT language model in one file.
+
+Features (each chosen once, in GPTConfig):
+- positions: learned | rope | sinusoidal | alibi | none
+- norm: layernorm | rmsnorm, pre-norm blocks, optional QK-norm
+- mlp: gelu (GPT-2's tanh GELU) | swiglu | relu2
+- grouped-query attention (n_kv_head < n_head), through F.scaled_dot_product_attention,
+  with an explicit masked-softmax path kept as the reference
+- tied or untied LM head, GPT-2 initialisation, z-loss
+- generate(): prefill once, then one token per step with a preallocated KV cache;
+  temperature, top-k, top-p, stop token, one generator per row
+- Hugging Face GPT-2 and Llama-architecture weights in (from_pretrained) and out (save_pretrained)
+
+Reads top to bottom: norms, positions, attention, MLPs, block, config, KV cache, sampling, model,
+Hugging Face interop.
+"""
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------
+# Norms
+
+
+def make_norm(config, dim):
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=config.norm_eps)
+    return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Position schemes. Each is one small module chosen at construction; the model calls all three hooks
+# and the base class makes each a no-op, so no scheme needs a branch anywhere else.
+#   embed(x, start):              token embeddings of positions start.. -> with absolute positions added
+#   rotate(q, k, start):          queries and keys -> rotated (RoPE)
+#   attn_bias(start, T, kv_len):  an additive (n_head, T, kv_len) bias with the causal mask in it, or None
+
+
+class NoPositions(nn.Module):
+    """No positional information at all (NoPE): the causal mask alone tells tokens apart."""
+
+    def __init__(self, config):
+        super().__init__()
+
+    def embed(self, x, start):
+        return x
+
+    def rotate(self, q, k, start):
+        return q, k
+
+    def attn_bias(self, start, T, kv_len):
+        return None
+
+
+class LearnedPositions(NoPositions):
+    """GPT-2: a trained vector per absolute position."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+
+    def embed(self, x, start):
+        return x + self.wpe.weight[start : start + x.size(1)]
+
+
+class SinusoidalPositions(NoPositions):
+    """Vaswani et al. (2017): fixed sines and cosines of geometrically spaced frequencies."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        pos = torch.arange(config.block_size, dtype=torch.float32)[:, None]
+        inv_freq = torch.exp(-math.log(10000.0) * torch.arange(0, config.n_embd, 2) / config.n_embd)
+        table = torch.zeros(config.block_size, config.n_embd)
+        table[:, 0::2] = torch.sin(pos * inv_freq)
+        table[:, 1::2] = torch.cos(pos * inv_freq)
+        self.register_buffer("table", table, persistent=False)
+
+    def embed(self, x, start):
+        return x + self.table[start : start + x.size(1)].to(x.dtype)
+
+
+class RotaryPositions(NoPositions):
+    """Su et al. (2021), in Llama's layout: the head is split in two halves rotated against each other,
+    so Hugging Face Llama weights load without permuting rows. Scores depend only on the offset."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        head_dim = config.n_embd // config.n_head
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        freqs = torch.outer(torch.arange(config.block_size, dtype=torch.float32), inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def rotate(self, q, k, start):
+        T = q.size(2)
+        cos = self.cos[start : start + T].to(q.dtype)
+        sin = self.sin[start : start + T].to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class ALiBiPositions(NoPositions):
+    """Press et al. (2022): no embeddings; each head penalises a score linearly in the distance."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
+
+    def attn_bias(self, start, T, kv_len):
+        q_pos = torch.arange(start, start + T, device=self.slopes.device)[:, None]
+        distance = q_pos - torch.arange(kv_len, device=self.slopes.device)[None, :]
+        bias = -self.slopes[:, None, None] * distance
+        return bias.masked_fill(distance < 0, float("-inf"))
+
+
+def alibi_slopes(n_head):
+    """The paper's slopes: a geometric sequence from 2^(-8/n); for a head count that is not a power of
+    two, the power of two below it plus every other slope of the next power of two."""
+
+    def geometric(n):
+        first = 2.0 ** (-8.0 / n)
+        return [first ** (i + 1) for i in range(n)]
+
+    if math.log2(n_head).is_integer():
+        slopes = geometric(n_head)
+    else:
+        below = 2 ** math.floor(math.log2(n_head))
+        slopes = geometric(below) + geometric(2 * below)[0::2][: n_head - below]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+POSITIONS = {
+    "learned": LearnedPositions,
+    "rope": RotaryPositions,
+    "sinusoidal": SinusoidalPositions,
+    "alibi": ALiBiPositions,
+    "none": NoPositions,
+}
+
+# ----------------------------------------------------------------------------------------------------
+# Attention
+
+
+def causal_mask(start, T, kv_len, device):
+    """Boolean (T, kv_len): query start+i may attend keys 0..start+i."""
+    q_pos = torch.arange(start, start + T, device=device)[:, None]
+    return torch.arange(kv_len, device=device)[None, :] <= q_pos
+
+
+def attention_explicit(q, k, v, bias, start, dropout_p=0.0):
+    """The textbook path, kept as the reference that SDPA is tested against."""
+    n_rep = q.size(1) // k.size(1)
+    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
+    scores = scores.masked_fill(~causal_mask(start, q.size(2), k.size(2), q.device), float("-inf"))
+    weights = F.dropout(F.softmax(scores.float(), dim=-1).to(q.dtype), p=dropout_p)
+    return weights @ v
+
+
+def attention_sdpa(q, k, v, bias, start, dropout_p=0.0):
+    T, kv_len = q.size(2), k.size(2)
+    gqa = q.size(1) != k.size(1)
+    if bias is not None:  # ALiBi: the bias already holds -inf above the diagonal
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout_p, enable_gqa=gqa)
+    if T == kv_len:  # no cache, or a prefill into an empty one
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
+    if T == 1:  # one new token sees every cached key
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=gqa)
+    mask = causal_mask(start, T, kv_len, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+
+
+ATTENTION = {"sdpa": attention_sdpa, "explicit": attention_explicit}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        # one matmul for queries, keys and values (Llama's q/k/v projections are concatenated on load)
+        self.qkv = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
+        self.proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)
+        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else nn.Identity()
+        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else nn.Identity()
+        self.attend = ATTENTION[config.attn_impl]
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, positions, start, bias, kv_cache):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
+        )
+        q = self.q_norm(q.view(B, T, self.n_head, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = positions.rotate(q, k, start)
+        if kv_cache is not None:
+            k, v = kv_cache.update(self.layer_idx, k, v)
+        y = self.attend(q, k, v, bias, start, self.dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)
+        return self.resid_dropout(self.proj(y))
+
+
+# ----------------------------------------------------------------------------------------------------
+# MLPs
+
+
+def gelu_tanh(x):
+    # GPT-2 was trained with the tanh approximation; the exact erf GELU would cost parity with its weights
+    return F.gelu(x, approximate="tanh")
+
+
+def relu_squared(x):
+    return F.relu(x).square()
+
+
+class MLP(nn.Module):
+    def __init__(self, config, activation):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, config.mlp_hidden, bias=config.bias)
+        self.proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
+        self.activation = activation
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.proj(self.activation(self.fc(x))))
+
+
+class SwiGLU(nn.Module):
+    """Shazeer (2020): silu(x W_gate) * (x W_up), then down. Gate and up share one matmul."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 2 * config.mlp_hidden, bias=config.bias)
+        self.proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        gate, up = self.fc(x).chunk(2, dim=-1)
+        return self.dropout(self.proj(F.silu(gate) * up))
+
+
+MLPS = {
+    "gelu": lambda config: MLP(config, gelu_tanh),
+    "relu2": lambda config: MLP(config, relu_squared),
+    "swiglu": SwiGLU,
+}
+
+# ----------------------------------------------------------------------------------------------------
+# Block
+
+
+class Block(nn.Module):
+    def __init__(self, config, layer_idx):
+        super().__init__()
+        self.norm1 = make_norm(config, config.n_embd)
+        self.attn = CausalSelfAttention(config, layer_idx)
+        self.norm2 = make_norm(config, config.n_embd)
+        self.mlp = MLPS[config.mlp](config)
+
+    def forward(self, x, positions, start, bias, kv_cache):
+        x = x + self.attn(self.norm1(x), positions, start, bias, kv_cache)
+        return x + self.mlp(self.norm2(x))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Config
+
+CHOICES = {
+    "pos_emb": tuple(POSITIONS),
+    "norm": ("layernorm", "rmsnorm"),
+    "mlp": tuple(MLPS),
+    "attn_impl": tuple(ATTENTION),
+}
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest context the model sees
+    vocab_size: int = 50304  # GPT-2's 50257 rounded up to a multiple of 64
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: Optional[int] = None  # key/value heads; None = n_head, fewer = grouped-query attention
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear layers and LayerNorms
+    pos_emb: str = "learned"  # learned | rope | sinusoidal | alibi | none
+    rope_theta: float = 10000.0
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"  # gelu | swiglu | relu2
+    mlp_hidden: Optional[int] = None  # None = 4*n_embd (gelu, relu2), 8/3*n_embd rounded up to 64 (swiglu)
+    qk_norm: bool = False  # normalise each head's queries and keys before the dot product
+    tie_embeddings: bool = True  # LM head shares the token embedding matrix
+    z_loss: float = 0.0  # coefficient of mean(logsumexp(logits)^2) added to the loss; 0 = off
+    attn_impl: str = "sdpa"  # sdpa | explicit (the reference masked softmax)
+
+    def __post_init__(self):
+        for name, allowed in CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"GPTConfig.{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be a positive integer")
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
+            raise ValueError(f"GPTConfig.n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
+        head_dim = self.n_embd // self.n_head
+        if self.pos_emb == "rope" and head_dim % 2:
+            raise ValueError(f"GPTConfig.pos_emb='rope' needs an even head size; n_embd/n_head = {head_dim}")
+        if self.pos_emb == "sinusoidal" and self.n_embd % 2:
+            raise ValueError(f"GPTConfig.pos_emb='sinusoidal' needs an even n_embd, got {self.n_embd}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
+        if self.z_loss < 0:
+            raise ValueError(f"GPTConfig.z_loss={self.z_loss} must be >= 0 (0 turns it off)")
+        if self.norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("GPTConfig.norm_eps and GPTConfig.rope_theta must be > 0")
+        if self.mlp_hidden is None:
+            self.mlp_hidden = 64 * math.ceil(8 * self.n_embd / 3 / 64) if self.mlp == "swiglu" else 4 * self.n_embd
+        if self.mlp_hidden < 1:
+            raise ValueError(f"GPTConfig.mlp_hidden={self.mlp_hidden} must be a positive integer")
+
+
+# ----------------------------------------------------------------------------------------------------
+# KV cache and sampling
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for max_len positions on the first write (which
+    also fixes their dtype: the dtype the model computes in, autocast included)."""
+
+    def __init__(self, n_layer, max_len):
+        self.n_layer, self.max_len = n_layer, max_len
+        self.k = self.v = None
+        self.length = 0  # positions filled; advanced by GPT.forward after all layers
+
+    def update(self, layer, k, v):
+        if self.k is None:
+            B, H, _, D = k.shape
+            self.k = k.new_zeros(self.n_layer, B, H, self.max_len, D)
+            self.v = v.new_zeros(self.n_layer, B, H, self.max_len, D)
+        end = self.length + k.size(2)
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; writing up to {end}")
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+def filter_logits(logits, top_k=None, top_p=None):
+    """Sets to -inf every logit outside the top_k largest (ties with the k-th kept) and outside the
+    nucleus: the smallest set of most likely tokens whose probability reaches top_p."""
+    if top_k is not None and top_k < logits.size(-1):
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = F.softmax(sorted_logits.float(), dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop_sorted = mass_before >= top_p  # the most likely token always has mass_before 0
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    """(B, vocab) logits -> (B, 1) token ids. temperature 0 is greedy. generator: None, one
+    torch.Generator for the batch, or a list with one per row (row i then draws exactly what a batch of
+    one with that generator would)."""
+    if temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
+    if isinstance(generator, (list, tuple)):
+        return torch.cat([torch.multinomial(p[None], 1, generator=g) for p, g in zip(probs, generator)])
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+def check_sampling_args(max_new_tokens, temperature, top_k, top_p):
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1, or None for no top-k filter")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p={top_p} must be in (0, 1], or None for no nucleus filter")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Model
+
+
+def lm_loss(logits, targets, z_loss=0.0):
+    """Returns (loss, cross_entropy): mean cross-entropy over targets != -1, plus
+    z_loss * mean(logsumexp(logits)^2) (PaLM's auxiliary loss, which keeps log Z near 0)."""
+    logits = logits.view(-1, logits.size(-1)).float()
+    targets = targets.reshape(-1)
+    ce = F.cross_entropy(logits, targets, ignore_index=-1)
+    if z_loss == 0:
+        return ce, ce
+    keep = targets != -1
+    log_z = torch.logsumexp(logits[keep], dim=-1)
+    return ce + z_loss * log_z.square().mean(), ce
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.n_embd)
+        self.positions = POSITIONS[config.pos_emb](config)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm_f = make_norm(config, config.n_embd)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual branches' output projections so the residual stream's variance does
+        # not grow with depth
+        for name, p in self.named_parameters():
+            if name.endswith("attn.proj.weight") or name.endswith("mlp.proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def get_num_params(self, non_embedding=False):
+        """Unique parameters (a tied head counts once). non_embedding drops the position table and, when
+        the head is untied, the token table (lookups, not matmuls)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            if isinstance(self.positions, LearnedPositions):
+                n -= self.positions.wpe.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.tok_emb.weight.numel()
+        return n
+
+    def forward(self, idx, targets=None, kv_cache=None):
+        """idx (B, T) -> (logits (B, T, vocab), loss or None). With kv_cache, idx continues the cached
+        sequence at position kv_cache.length."""
+        x = self.hidden_states(idx, kv_cache)
+        logits = self.lm_head(x)
+        if targets is None:
+            return logits, None
+        return logits, lm_loss(logits, targets, self.config.z_loss)[0]
+
+    def hidden_states(self, idx, kv_cache=None):
+        B, T = idx.shape
+        start = 0 if kv_cache is None else kv_cache.length
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens is longer than block_size={self.config.block_size}")
+        x = self.drop(self.positions.embed(self.tok_emb(idx), start))
+        bias = self.positions.attn_bias(start, T, start + T)
+        for block in self.blocks:
+            x = block(x, self.positions, start, bias, kv_cache)
+        if kv_cache is not None:
+            kv_cache.length += T
+        return self.norm_f(x)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx,
+        max_new_tokens,
+        temperature=1.0,
+        top_k=None,
+        top_p=None,
+        eos_token_id=None,
+        use_cache=True,
+        generator=None,
+    ):
+        """Continues each row of idx (B, T; rows of equal length) by up to max_new_tokens tokens and
+        returns (B, T + new). Call model.eval() first, or dropout stays on.
+
+        With the cache, the prompt is run once (prefill) and then one token per step. Without it, each
+        step recomputes the last block_size tokens. Once the sequence outgrows block_size, every cached
+        key is stale (each depended on tokens that fall out of the window), so the cached path does
+        exactly what the uncached one does: recompute the last block_size tokens every step. Tokens are
+        the same either way.
+
+        A row that emits eos_token_id stops growing: later positions repeat eos_token_id. Generation ends
+        early when every row has stopped, so `new` can be less than max_new_tokens."""
+        check_sampling_args(max_new_tokens, temperature, top_k, top_p)
+        B, T = idx.shape
+        block_size = self.config.block_size
+        out = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
+        out[:, :T] = idx
+        cache = KVCache(self.config.n_layer, block_size) if use_cache else None
+        finished = torch.zeros(B, 1, dtype=torch.bool, device=idx.device)
+        length = T
+        for _ in range(max_new_tokens):
+            if cache is not None and length <= block_size:
+                step_input = out[:, cache.length : length]  # the whole prompt once, then the newest token
+                hidden = self.hidden_states(step_input, cache)
+            else:
+                hidden = self.hidden_states(out[:, max(0, length - block_size) : length])
+            logits = self.lm_head(hidden[:, -1, :])
+            token = sample_next(logits, temperature, top_k, top_p, generator)
+            if eos_token_id is not None:
+                token = token.masked_fill(finished, eos_token_id)
+                finished |= token == eos_token_id
+            out[:, length] = token[:, 0]
+            length += 1
+            if eos_token_id is not None and bool(finished.all()):
+                break
+        return out[:, :length]
+
+    # ------------------------------------------------------------------------------------------------
+    # Training helpers
+
+    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
+        """AdamW with weight decay on matrices (embeddings and Linear weights) only; biases and norm
+        gains are not decayed. The fused kernel where the device has one (about 3x faster than foreach
+        on a 2-core AMX CPU)."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        fused = device_type in ("cuda", "cpu", "mps")
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
+    def flops_per_token(self, seq_len):
+        """Training (forward + backward) FLOPs per token, as in the PaLM paper's appendix: 6 per matmul
+        weight, plus 12 * n_layer * n_embd * T for the attention scores and their weighted sums."""
+        matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return 6 * matmul_params + 12 * self.config.n_layer * self.config.n_embd * seq_len
+
+    def estimate_mfu(self, tokens_per_sec, seq_len, device=None, peak_flops=None):
+        """Model FLOPs utilisation: achieved training FLOP/s over the device's peak. peak_flops wins;
+        else a CUDA device's dense bf16/fp16 tensor-core peak from the table; else (CPU, unknown GPU)
+        None: a CPU's peak must be measured (bench.py does)."""
+        if peak_flops is None and device is not None and torch.device(device).type == "cuda":
+            peak_flops = cuda_peak_flops(device)
+        if peak_flops is None:
+            return None
+        return self.flops_per_token(seq_len) * tokens_per_sec / peak_flops
+
+    # ------------------------------------------------------------------------------------------------
+    # Hugging Face interop
+
+    @classmethod
+    def from_pretrained(cls, name_or_dir, dropout=0.0):
+        """Loads a Hugging Face GPT2LMHeadModel or LlamaForCausalLM from a local directory (config.json
+        plus model.safetensors or pytorch_model.bin), or gpt2 / gpt2-medium / gpt2-large / gpt2-xl from
+        the Hub (needs network, or the Hugging Face cache)."""
+        directory = resolve_pretrained(name_or_dir)
+        with open(os.path.join(directory, "config.json")) as f:
+            hf_config = json.load(f)
+        kind = hf_config.get("model_type")
+        if kind not in HF_FAMILIES:
+            raise ValueError(
+                f"{directory}: model_type {kind!r} is not supported; supported: {', '.join(HF_FAMILIES)}"
+            )
+        to_config, to_ours, _, _ = HF_FAMILIES[kind]
+        config = to_config(hf_config, directory)
+        config.dropout = dropout
+        model = cls(config)
+        state = to_ours(load_hf_state_dict(directory), config)
+        if config.tie_embeddings:
+            state["lm_head.weight"] = state["tok_emb.weight"]
+        expected = model.state_dict()
+        missing, unexpected = set(expected) - set(state), set(state) - set(expected)
+        if missing or unexpected:
+            raise ValueError(
+                f"{directory}: weights do not match the config: missing {sorted(missing)[:5]}, "
+                f"unexpected {sorted(unexpected)[:5]}"
+            )
+        for key, tensor in state.items():
+            if tensor.shape != expected[key].shape:
+                raise ValueError(f"{directory}: {key} has shape {tuple(tensor.shape)}, config implies "
+                                 f"{tuple(expected[key].shape)}")
+        model.load_state_dict({k: v.float() for k, v in state.items()})
+        return model
+
+    def save_pretrained(self, directory):
+        """Writes config.json and model.safetensors that transformers' AutoModelForCausalLM loads: a
+        GPT2LMHeadModel for GPT-2-shaped configs, a LlamaForCausalLM for Llama-shaped ones."""
+        from safetensors.torch import save_file
+
+        kind = hf_family(self.config)
+        _, _, to_hf_config, to_hf = HF_FAMILIES[kind]
+        state = {k: v.detach().to("cpu", torch.float32) for k, v in self.state_dict().items()}
+        hf_state = to_hf(state, self.config)
+        os.makedirs(directory, exist_ok=True)
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(to_hf_config(self.config), f, indent=2)
+        save_file({k: v.contiguous() for k, v in hf_state.items()}, os.path.join(directory, "model.safetensors"),
+                  metadata={"format": "pt"})
+
+
+# Dense bf16/fp16 tensor-core peaks (FLOP/s), from the vendors' data sheets; matched by name, first hit.
+CUDA_PEAK_FLOPS = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("V100", 125e12),
+    ("T4", 65e12),
+]
+
+
+def cuda_peak_flops(device):
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in CUDA_PEAK_FLOPS if key in name), None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hugging Face weight conversion. Each family: HF config -> GPTConfig, HF state -> ours, and back.
+
+GPT2_HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+
+def resolve_pretrained(name_or_dir):
+    if os.path.isdir(name_or_dir):
+        return name_or_dir
+    if name_or_dir not in GPT2_HUB_NAMES:
+        raise ValueError(
+            f"{name_or_dir!r} is neither a local Hugging Face model directory nor one of {', '.join(GPT2_HUB_NAMES)}"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name_or_dir, allow_patterns=["config.json", "model.safetensors"])
+    except Exception as e:  # offline, no cache, hub error: one actionable message
+        raise RuntimeError(
+            f"could not download {name_or_dir!r} from the Hugging Face Hub ({type(e).__name__}). Without "
+            "network, download it elsewhere (huggingface-cli download openai-community/"
+            f"{name_or_dir}) and pass the directory instead"
+        ) from None
+
+
+def load_hf_state_dict(directory):
+    path = os.path.join(directory, "model.safetensors")
+    if os.path.exists(path):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    path = os.path.join(directory, "pytorch_model.bin")
+    if os.path.exists(path):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{directory}: no model.safetensors or pytorch_model.bin (sharded checkpoints are not supported)")
+
+
+def hf_family(config):
+    c = config
+    if c.pos_emb == "learned" and c.norm == "layernorm" and c.mlp == "gelu" and not c.qk_norm and c.n_kv_head == c.n_head:
+        return "gpt2"
+    if c.pos_emb == "rope" and c.norm == "rmsnorm" and c.mlp == "swiglu" and not c.bias and not c.qk_norm:
+        return "llama"
+    raise ValueError(
+        "this config has no Hugging Face equivalent: GPT-2 needs pos_emb='learned', norm='layernorm', "
+        "mlp='gelu', n_kv_head=n_head, qk_norm=False; Llama needs pos_emb='rope', norm='rmsnorm', "
+        f"mlp='swiglu', bias=False, qk_norm=False (got pos_emb={c.pos_emb!r}, norm={c.norm!r}, mlp={c.mlp!r}, "
+        f"bias={c.bias}, qk_norm={c.qk_norm}, n_kv_head={c.n_kv_head}, n_head={c.n_head})"
+    )
+
+
+def gpt2_config(hf, directory):
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"{directory}: GPT-2 activation {act!r} is not supported (tanh GELU only)")
+    if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+        raise ValueError(f"{directory}: non-standard GPT-2 attention scaling is not supported")
+    return GPTConfig(
+        block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"], n_head=hf["n_head"],
+        n_embd=hf["n_embd"], bias=True, pos_emb="learned", norm="layernorm",
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5), mlp="gelu", mlp_hidden=hf.get("n_inner") or 4 * hf["n_embd"],
+        tie_embeddings=hf.get("tie_word_embeddings", True),
+    )
+
+
+# our per-layer name -> GPT-2's; GPT-2 stores Linear weights transposed (its Conv1D is x @ W)
+GPT2_LAYER_KEYS = {
+    "norm1.weight": "ln_1.weight", "norm1.bias": "ln_1.bias",
+    "attn.qkv.weight": "attn.c_attn.weight", "attn.qkv.bias": "attn.c_attn.bias",
+    "attn.proj.weight": "attn.c_proj.weight", "attn.proj.bias": "attn.c_proj.bias",
+    "norm2.weight": "ln_2.weight", "norm2.bias": "ln_2.bias",
+    "mlp.fc.weight": "mlp.c_fc.weight", "mlp.fc.bias": "mlp.c_fc.bias",
+    "mlp.proj.weight": "mlp.c_proj.weight", "mlp.proj.bias": "mlp.c_proj.bias",
+}  # fmt: skip
+GPT2_TOP_KEYS = {"tok_emb.weight": "wte.weight", "positions.wpe.weight": "wpe.weight", "norm_f.weight": "ln_f.weight", "norm_f.bias": "ln_f.bias"}
+
+
+def gpt2_to_ours(hf_state, config):
+    hf_state = {k.removeprefix("transformer."): v for k, v in hf_state.items()}
+    state = {ours: hf_state[theirs] for ours, theirs in GPT2_TOP_KEYS.items()}
+    for i in range(config.n_layer):
+        for ours, theirs in GPT2_LAYER_KEYS.items():
+            w = hf_state[f"h.{i}.{theirs}"]
+            state[f"blocks.{i}.{ours}"] = w.t() if ours.endswith("weight") and w.dim() == 2 else w
+    if not config.tie_embeddings:
+        state["lm_head.weight"] = hf_state["lm_head.weight"]
+    return state
+
+
+def gpt2_from_ours(state, config):
+    hf = {f"transformer.{theirs}": bias_or_zeros(state, ours) for ours, theirs in GPT2_TOP_KEYS.items()}
+    for i in range(config.n_layer):
+        for ours, theirs in GPT2_LAYER_KEYS.items():
+            w = bias_or_zeros(state, f"blocks.{i}.{ours}")
+            hf[f"transformer.h.{i}.{theirs}"] = w.t() if w.dim() == 2 else w
+    if not config.tie_embeddings:
+        hf["lm_head.weight"] = state["lm_head.weight"]
+    return hf
+
+
+def bias_or_zeros(state, key):
+    """GPT-2 always has biases; a bias-free model exports zeros, which computes the same function."""
+    if key in state:
+        return state[key]
+    weight = state[key.removesuffix("bias") + "weight"]
+    return weight.new_zeros(weight.shape[0])
+
+
+def gpt2_hf_config(config):
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
+        "n_positions": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
+        "n_head": config.n_head, "n_inner": config.mlp_hidden, "activation_function": "gelu_new",
+        "layer_norm_epsilon": config.norm_eps, "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout, "tie_word_embeddings": config.tie_embeddings, "dtype": "float32",
+    }  # fmt: skip
+
+
+def llama_config(hf, directory):
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{directory}: Llama activation {hf['hidden_act']!r} is not supported (silu only)")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError(f"{directory}: Llama with attention_bias/mlp_bias is not supported")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{directory}: RoPE scaling {rope_type!r} is not supported (plain RoPE only)")
+    n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim", n_embd // n_head) != n_embd // n_head:
+        raise ValueError(f"{directory}: head_dim={hf['head_dim']} != hidden_size/num_attention_heads")
+    return GPTConfig(
+        block_size=hf["max_position_embeddings"], vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"],
+        n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd, bias=False,
+        pos_emb="rope", rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)), norm="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu", mlp_hidden=hf["intermediate_size"],
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+    )
+
+
+LLAMA_LAYER_KEYS = {
+    "norm1.weight": "input_layernorm.weight", "attn.proj.weight": "self_attn.o_proj.weight",
+    "norm2.weight": "post_attention_layernorm.weight", "mlp.proj.weight": "mlp.down_proj.weight",
+}  # fmt: skip
+# fused here, separate in Llama: our matrix is their matrices stacked along the output dimension
+LLAMA_FUSED_KEYS = {
+    "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "mlp.fc.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def llama_to_ours(hf_state, config):
+    state = {"tok_emb.weight": hf_state["model.embed_tokens.weight"], "norm_f.weight": hf_state["model.norm.weight"]}
+    for i in range(config.n_layer):
+        for ours, theirs in LLAMA_LAYER_KEYS.items():
+            state[f"blocks.{i}.{ours}"] = hf_state[f"model.layers.{i}.{theirs}"]
+        for ours, parts in LLAMA_FUSED_KEYS.items():
+            state[f"blocks.{i}.{ours}"] = torch.cat([hf_state[f"model.layers.{i}.{p}"] for p in parts])
+    if not config.tie_embeddings:
+        state["lm_head.weight"] = hf_state["lm_head.weight"]
+    return state
+
+
+def llama_from_ours(state, config):
+    hf = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["norm_f.weight"]}
+    head_dim = config.n_embd // config.n_head
+    split_sizes = {
+        "attn.qkv.weight": [config.n_head * head_dim, config.n_kv_head * head_dim, config.n_kv_head * head_dim],
+        "mlp.fc.weight": [config.mlp_hidden, config.mlp_hidden],
+    }
+    for i in range(config.n_layer):
+        for ours, theirs in LLAMA_LAYER_KEYS.items():
+            hf[f"model.layers.{i}.{theirs}"] = state[f"blocks.{i}.{ours}"]
+        for ours, parts in LLAMA_FUSED_KEYS.items():
+            for part, tensor in zip(parts, state[f"blocks.{i}.{ours}"].split(split_sizes[ours])):
+                hf[f"model.layers.{i}.{part}"] = tensor
+    if not config.tie_embeddings:
+        hf["lm_head.weight"] = state["lm_head.weight"]
+    return hf
+
+
+def llama_hf_config(config):
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
+        "hidden_size": config.n_embd, "intermediate_size": config.mlp_hidden,
+        "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head, "head_dim": config.n_embd // config.n_head,
+        "max_position_embeddings": config.block_size, "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": config.dropout,
+        "tie_word_embeddings": config.tie_embeddings, "dtype": "float32",
+    }  # fmt: skip
+
+
+HF_FAMILIES = {
+    "gpt2": (gpt2_config, gpt2_to_ours, gpt2_hf_config, gpt2_from_ours),
+    "llama": (llama_config, llama_to_ours, llama_hf_config, llama_from_ours),
+}
+
+
+def config_from_dict(d):
+    """GPTConfig from a dict (a checkpoint's), ignoring nothing: unknown keys are an error."""
+    known = {f.name for f in fields(GPTConfig)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"unknown GPTConfig fields {sorted(unknown)}")
+    return GPTConfig(**d)
+

@@ -1,0 +1,138 @@
+"""Parity with Hugging Face transformers: tiny random-weight models built and saved locally."""
+
+import os
+
+import pytest
+import torch
+
+from model import GPT, GPTConfig
+
+transformers = pytest.importorskip("transformers", reason="parity tests need transformers (requirements-dev.txt)")
+
+VOCAB = 97
+
+
+def hf_gpt2(tmp_path, **overrides):
+    config = dict(vocab_size=VOCAB, n_positions=64, n_embd=48, n_layer=2, n_head=4, bos_token_id=None,
+                  eos_token_id=None)
+    config.update(overrides)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)).eval()
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def hf_llama(tmp_path, tie, n_kv_heads=2):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=n_kv_heads, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    # HF initialises norm gains to one; randomise them so the test sees whether they load
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path)
+    return model
+
+
+def max_logit_diff(ours, theirs, idx):
+    with torch.no_grad():
+        return (ours(idx)[0] - theirs(idx).logits).abs().max().item()
+
+
+@pytest.fixture
+def idx():
+    return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def hf_greedy(model, idx, n):
+    return model.generate(idx, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                          attention_mask=torch.ones_like(idx))
+
+
+def test_gpt2_logits_and_greedy(tmp_path, idx):
+    theirs = hf_gpt2(tmp_path)
+    ours = GPT.from_pretrained(str(tmp_path)).eval()
+    assert ours.config.pos_emb == "learned" and ours.config.tie_embeddings
+    assert max_logit_diff(ours, theirs, idx) <= 1e-4
+    assert torch.equal(ours.generate(idx, 30, temperature=0), hf_greedy(theirs, idx, 30))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_llama_gqa_logits_and_greedy(tmp_path, idx, tie):
+    theirs = hf_llama(tmp_path, tie)
+    ours = GPT.from_pretrained(str(tmp_path)).eval()
+    c = ours.config
+    assert (c.n_head, c.n_kv_head, c.rope_theta, c.norm_eps, c.tie_embeddings) == (4, 2, 5000.0, 1e-5, tie)
+    assert max_logit_diff(ours, theirs, idx) <= 1e-4
+    assert torch.equal(ours.generate(idx, 30, temperature=0), hf_greedy(theirs, idx, 30))
+
+
+def test_pytorch_model_bin_loads(tmp_path, idx):
+    theirs = hf_gpt2(tmp_path)
+    os.remove(tmp_path / "model.safetensors")
+    torch.save(theirs.state_dict(), tmp_path / "pytorch_model.bin")
+    assert max_logit_diff(GPT.from_pretrained(str(tmp_path)).eval(), theirs, idx) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(pos_emb="learned", norm="layernorm", mlp="gelu", bias=True, tie_embeddings=True),
+        dict(pos_emb="learned", norm="layernorm", mlp="gelu", bias=False, tie_embeddings=False),
+        dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2, tie_embeddings=True),
+        dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=1, tie_embeddings=False),
+    ],
+)
+def test_save_pretrained_loads_in_transformers(tmp_path, idx, overrides):
+    torch.manual_seed(0)
+    ours = GPT(GPTConfig(block_size=64, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=64, **overrides)).eval()
+    with torch.no_grad():  # non-trivial norm gains and biases, so a mapping error cannot hide behind ones/zeros
+        for name, p in ours.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    ours.save_pretrained(str(tmp_path))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    expected = "GPT2LMHeadModel" if overrides["pos_emb"] == "learned" else "LlamaForCausalLM"
+    assert type(theirs).__name__ == expected
+    assert max_logit_diff(ours, theirs, idx) <= 1e-4
+    again = GPT.from_pretrained(str(tmp_path)).eval()
+    assert max_logit_diff(again, theirs, idx) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "overrides, what",
+    [
+        (dict(pos_emb="alibi"), "pos_emb='alibi'"),
+        (dict(qk_norm=True), "qk_norm=True"),
+        (dict(norm="rmsnorm"), "norm='rmsnorm'"),
+        (dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=True), "bias=True"),
+    ],
+)
+def test_save_pretrained_refuses_inexpressible(tmp_path, overrides, what):
+    model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=16, **overrides))
+    with pytest.raises(ValueError, match="no Hugging Face equivalent") as err:
+        model.save_pretrained(str(tmp_path / "out"))
+    assert what in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_hub_name_offline_fails_clearly(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: nothing to fall back on
+    with pytest.raises(RuntimeError, match="could not download 'gpt2-medium'.*pass the directory"):
+        GPT.from_pretrained("gpt2-medium")
+
+
+def test_unknown_name_fails_clearly():
+    with pytest.raises(ValueError, match="neither a local Hugging Face model directory nor one of gpt2"):
+        GPT.from_pretrained("gtp2")
+
+
+def test_unsupported_model_type(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
+    with pytest.raises(ValueError, match="model_type 'mistral' is not supported; supported: gpt2, llama"):
+        GPT.from_pretrained(str(tmp_path))

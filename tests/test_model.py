@@ -1,0 +1,299 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, GPTConfig, KVCache, RotaryPositions, alibi_slopes, filter_logits, lm_loss, sample_next
+
+SCHEMES = ["learned", "rope", "sinusoidal", "alibi", "none"]
+
+
+def tiny(**overrides):
+    base = dict(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+    base.update(overrides)
+    return GPTConfig(**base)
+
+
+def build(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return GPT(tiny(**overrides)).eval()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config validation
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(n_embd=30, n_head=4), "n_embd=30 must be divisible by n_head=4"),
+        (dict(n_head=4, n_kv_head=3), "n_head=4 must be divisible by n_kv_head=3"),
+        (dict(n_embd=36, n_head=4, pos_emb="rope"), "needs an even head size"),
+        (dict(pos_emb="rotary"), "pos_emb='rotary' is not one of 'learned', 'rope', 'sinusoidal', 'alibi', 'none'"),
+        (dict(norm="batchnorm"), "norm='batchnorm' is not one of 'layernorm', 'rmsnorm'"),
+        (dict(mlp="geglu"), "mlp='geglu' is not one of"),
+        (dict(attn_impl="flash"), "attn_impl='flash' is not one of 'sdpa', 'explicit'"),
+        (dict(dropout=1.0), "dropout=1.0 must be in [0, 1)"),
+        (dict(z_loss=-1e-4), "z_loss=-0.0001 must be >= 0"),
+        (dict(n_layer=0), "n_layer=0 must be a positive integer"),
+    ],
+)
+def test_invalid_config_names_field(overrides, message):
+    with pytest.raises(ValueError) as err:
+        tiny(**overrides)
+    assert str(err.value).startswith("GPTConfig.") and message in str(err.value)
+
+
+def test_defaults_resolved():
+    assert tiny().n_kv_head == 4
+    assert tiny().mlp_hidden == 128
+    assert tiny(mlp="swiglu").mlp_hidden == 128  # 8/3 * 32 = 85.3, rounded up to a multiple of 64
+    assert tiny(mlp="swiglu", n_embd=96).mlp_hidden == 256
+
+
+def test_gpt2_small_parameter_count():
+    config = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, bias=True,
+                       pos_emb="learned", norm="layernorm", mlp="gelu", tie_embeddings=True)
+    with torch.device("meta"):
+        model = GPT(config)
+    assert model.get_num_params() == 124_439_808
+    assert model.get_num_params(non_embedding=True) == 124_439_808 - 1024 * 768
+
+
+def test_init_scales_residual_projections():
+    torch.manual_seed(0)
+    model = GPT(tiny(n_layer=8, n_embd=256, n_head=4))
+    assert model.blocks[0].attn.qkv.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.blocks[0].mlp.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert model.blocks[3].attn.proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+
+
+def test_tied_and_untied_head():
+    tied = build(tie_embeddings=True)
+    assert tied.lm_head.weight.data_ptr() == tied.tok_emb.weight.data_ptr()
+    untied = build(tie_embeddings=False)
+    assert untied.lm_head.weight.data_ptr() != untied.tok_emb.weight.data_ptr()
+    assert untied.get_num_params() == tied.get_num_params() + 61 * 32
+
+
+def test_optimizer_decays_matrices_only():
+    model = build(mlp="swiglu", norm="rmsnorm", qk_norm=True)
+    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    assert opt.defaults["fused"] is True
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention and positions
+
+
+@pytest.mark.parametrize("pos_emb", SCHEMES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_causal(pos_emb, qk_norm):
+    model = build(pos_emb=pos_emb, qk_norm=qk_norm, n_kv_head=2)
+    idx = torch.randint(0, 61, (2, 20))
+    changed = idx.clone()
+    changed[:, 11:] = torch.randint(0, 61, (2, 9))
+    a, b = model(idx)[0], model(changed)[0]
+    torch.testing.assert_close(a[:, :11], b[:, :11], rtol=0, atol=0)
+    assert (a[:, 11:] - b[:, 11:]).abs().max() > 1e-3
+
+
+def test_rope_scores_depend_only_on_offset():
+    rope = RotaryPositions(tiny(pos_emb="rope", block_size=64))
+    torch.manual_seed(0)
+    q, k = torch.randn(1, 1, 1, 8), torch.randn(1, 1, 1, 8)
+
+    def score(q_pos, k_pos):
+        q_rot, _ = rope.rotate(q, q, q_pos)
+        _, k_rot = rope.rotate(k, k, k_pos)
+        return (q_rot * k_rot).sum().item()
+
+    for offset in (0, 3, 17):
+        reference = score(offset, 0)
+        for shift in (1, 10, 40):
+            assert score(offset + shift, shift) == pytest.approx(reference, abs=1e-5)
+    assert abs(score(5, 0) - score(9, 0)) > 1e-3  # and it does depend on the offset
+
+
+@pytest.mark.parametrize("pos_emb", SCHEMES)
+def test_sdpa_matches_explicit(pos_emb):
+    sdpa = build(pos_emb=pos_emb, n_kv_head=2, qk_norm=True)
+    explicit = build(pos_emb=pos_emb, n_kv_head=2, qk_norm=True, attn_impl="explicit")
+    idx = torch.randint(0, 61, (3, 32))
+    torch.testing.assert_close(sdpa(idx)[0], explicit(idx)[0], rtol=0, atol=1e-5)
+    # and through the cache: a prefill, a chunk of several tokens (explicit mask) and single tokens
+    for model in (sdpa, explicit):
+        cache = KVCache(model.config.n_layer, 32)
+        chunks = [model(idx[:, a:b], kv_cache=cache)[0] for a, b in [(0, 10), (10, 15), (15, 16), (16, 32)]]
+        torch.testing.assert_close(torch.cat(chunks, dim=1), sdpa(idx)[0], rtol=0, atol=1e-5)
+
+
+def test_alibi_slopes():
+    assert alibi_slopes(8).tolist() == [2.0 ** -(i + 1) for i in range(8)]
+    # 6 heads: the 4-head sequence, then every other slope of the 8-head one
+    assert alibi_slopes(6).tolist() == [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3]
+
+
+def test_sequence_longer_than_block_is_refused():
+    model = build()
+    with pytest.raises(ValueError, match="longer than block_size=32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loss
+
+
+def test_z_loss_zero_is_plain_cross_entropy():
+    model = build(z_loss=0.0)
+    idx, targets = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16))
+    logits, loss = model(idx, targets)
+    assert torch.equal(loss, F.cross_entropy(logits.view(-1, 61), targets.view(-1)))
+
+
+def test_z_loss_adds_stated_term():
+    model = build(z_loss=1e-2)
+    idx, targets = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16))
+    targets[0, :4] = -1  # ignored positions count in neither term
+    logits, loss = model(idx, targets)
+    flat, flat_targets = logits.view(-1, 61), targets.view(-1)
+    ce = F.cross_entropy(flat, flat_targets, ignore_index=-1)
+    z = torch.logsumexp(flat[flat_targets != -1], dim=-1).square().mean()
+    torch.testing.assert_close(loss, ce + 1e-2 * z)
+    total, plain = lm_loss(logits, targets, 1e-2)
+    torch.testing.assert_close(plain, ce)
+    assert total.item() > plain.item()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Generation
+
+
+@pytest.mark.parametrize("pos_emb", SCHEMES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_cached_generation_equals_uncached(pos_emb, qk_norm):
+    model = build(pos_emb=pos_emb, qk_norm=qk_norm, n_kv_head=2)
+    prompt = torch.randint(0, 61, (2, 5))
+    # 40 new tokens run past block_size=32, where both paths recompute the last 32 tokens
+    runs = []
+    for use_cache in (True, False):
+        g = torch.Generator().manual_seed(123)
+        runs.append(model.generate(prompt, 40, temperature=1.0, top_k=20, use_cache=use_cache, generator=g))
+    assert runs[0].shape == (2, 45)
+    assert torch.equal(runs[0], runs[1])
+    # the cache's last-position logits equal the full forward's
+    seq = runs[0][:, :30]
+    cache = KVCache(model.config.n_layer, 32)
+    model(seq[:, :20], kv_cache=cache)
+    for t in range(20, 30):
+        step_logits = model(seq[:, t : t + 1], kv_cache=cache)[0][:, -1]
+        torch.testing.assert_close(step_logits, model(seq[:, : t + 1])[0][:, -1], rtol=0, atol=1e-5)
+
+
+def test_long_prompt_is_cropped_like_uncached():
+    model = build(pos_emb="rope")
+    prompt = torch.randint(0, 61, (1, 50))
+    cached = model.generate(prompt, 5, temperature=0)
+    uncached = model.generate(prompt, 5, temperature=0, use_cache=False)
+    assert torch.equal(cached, uncached) and torch.equal(cached[:, :50], prompt)
+
+
+def test_eos_rows_stop_and_pad():
+    model = build()
+    prompt = torch.randint(0, 61, (3, 4))
+    free = model.generate(prompt, 12, temperature=0)
+    eos = int(free[1, 6])  # the token row 1 emits at its third step
+    stopped = model.generate(prompt, 12, temperature=0, eos_token_id=eos)
+    for row in range(3):  # every row is either still free-running or padded with eos after its first eos
+        hits = (free[row, 4 : stopped.size(1)] == eos).nonzero()
+        end = hits[0].item() + 5 if len(hits) else stopped.size(1)
+        assert torch.equal(stopped[row, :end], free[row, :end])
+        assert (stopped[row, end:] == eos).all()
+
+
+def test_generation_stops_when_all_rows_done():
+    model = build()
+    prompt = torch.randint(0, 61, (1, 4))
+    first = int(model.generate(prompt, 1, temperature=0)[0, -1])
+    out = model.generate(prompt, 10, temperature=0, eos_token_id=first)
+    assert out.shape == (1, 5)
+
+
+def test_greedy_is_temperature_zero():
+    model = build()
+    prompt = torch.randint(0, 61, (2, 4))
+    out = model.generate(prompt, 6, temperature=0)
+    idx = prompt
+    for _ in range(6):
+        idx = torch.cat([idx, model(idx)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, idx)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens=0 must be >= 1"),
+        (dict(temperature=-0.5), "temperature=-0.5 must be >= 0"),
+        (dict(top_p=0.0), "top_p=0.0 must be in (0, 1]"),
+        (dict(top_p=1.5), "top_p=1.5 must be in (0, 1]"),
+        (dict(top_k=0), "top_k=0 must be >= 1"),
+    ],
+)
+def test_bad_sampling_arguments(kwargs, message):
+    args = dict(max_new_tokens=3) | kwargs
+    with pytest.raises(ValueError) as err:
+        build().generate(torch.zeros(1, 2, dtype=torch.long), **args)
+    assert message in str(err.value)
+
+
+def test_top_k_keeps_exactly_k_largest():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0, 0.0]])
+    kept = torch.isfinite(filter_logits(logits, top_k=3))
+    assert kept.tolist() == [[False, True, True, True, False, False]]
+    assert torch.equal(filter_logits(logits, top_k=6), logits)
+
+
+def test_top_p_keeps_smallest_nucleus():
+    probs = torch.tensor([[0.05, 0.5, 0.2, 0.25]])
+    logits = probs.log()
+    keep = lambda p: torch.isfinite(filter_logits(logits, top_p=p)).tolist()[0]  # noqa: E731
+    assert keep(0.5) == [False, True, False, False]  # 0.5 alone reaches 0.5
+    assert keep(0.6) == [False, True, False, True]  # 0.5 + 0.25
+    assert keep(0.75) == [False, True, False, True]
+    assert keep(0.76) == [False, True, True, True]
+    assert keep(0.96) == [True, True, True, True]
+    assert keep(0.01) == [False, True, False, False]  # the most likely token is always kept
+    assert keep(1.0) == [True, True, True, True]
+
+
+def test_sampling_follows_filtered_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(4000, 1)
+    g = torch.Generator().manual_seed(0)
+    draws = sample_next(logits, temperature=1.0, top_k=2, generator=g)[:, 0]
+    assert set(draws.tolist()) == {2, 3}
+    share = (draws == 3).float().mean().item()
+    assert share == pytest.approx(math.e / (1 + math.e), abs=0.03)
+
+
+def test_per_row_generators_match_single_rows():
+    model = build()
+    prompt = torch.randint(0, 61, (1, 4)).repeat(4, 1)
+    batch = model.generate(prompt, 15, generator=[torch.Generator().manual_seed(100 + i) for i in range(4)])
+    for i in range(4):
+        single = model.generate(prompt[:1], 15, generator=torch.Generator().manual_seed(100 + i))
+        assert torch.equal(batch[i : i + 1], single)
+    assert len({tuple(row.tolist()) for row in batch}) > 1
+
+
+def test_estimate_mfu():
+    model = build()
+    assert model.estimate_mfu(1000.0, 32, device="cpu") is None
+    flops = model.flops_per_token(32)
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert flops == 6 * matmul + 12 * 2 * 32 * 32
+    assert model.estimate_mfu(1000.0, 32, peak_flops=flops * 2000.0) == pytest.approx(0.5)
