@@ -19,7 +19,7 @@ Hugging Face interop.
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -835,13 +835,4 @@ HF_FAMILIES = {
     "gpt2": (gpt2_config, gpt2_to_ours, gpt2_hf_config, gpt2_from_ours),
     "llama": (llama_config, llama_to_ours, llama_hf_config, llama_from_ours),
 }
-
-
-def config_from_dict(d):
-    """GPTConfig from a dict (a checkpoint's), ignoring nothing: unknown keys are an error."""
-    known = {f.name for f in fields(GPTConfig)}
-    unknown = set(d) - known
-    if unknown:
-        raise ValueError(f"unknown GPTConfig fields {sorted(unknown)}")
-    return GPTConfig(**d)
 

@@ -13,3 +13,51 @@ os.environ["TRANSFORMERS_VERBOSITY"] = "error"
 if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED_DATA / "tiktoken_cache").is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED_DATA / "tiktoken_cache")
 sys.path.insert(0, str(ROOT))
+
+import json  # noqa: E402
+import random  # noqa: E402
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+WORDS = ("the king queen lord speak thou thee hath doth love death night day fair sweet good noble heart blood "
+         "sword crown honour friend enemy war peace heaven earth fire water gentle cruel young old man woman").split()
+
+
+def make_text(n_chars, seed=0):
+    """Deterministic pseudo-verse: enough structure for a model to learn, no corpus needed."""
+    rng = random.Random(seed)
+    lines = []
+    while sum(map(len, lines)) < n_chars:
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 8))]
+        lines.append(" ".join(words).capitalize() + rng.choice([",", ".", ";", "!", "?"]) + "\n")
+    return "".join(lines)[:n_chars]
+
+
+@pytest.fixture(scope="session")
+def char_dataset(tmp_path_factory):
+    from dataset import char_tokenizer_for, prepare_text
+
+    out = tmp_path_factory.mktemp("data") / "verse_char"
+    text = make_text(40_000)
+    prepare_text(text, char_tokenizer_for(text), str(out))
+    return str(out)
+
+
+TINY_RUN = [
+    "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--eval_iters=2",
+    "--eval_interval=5", "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3", "--min_lr=3e-4",
+    "--dtype=float32", "--device=cpu",
+]  # fmt: skip
+
+
+def read_metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def run_script(*args, timeout=300, env=None, **kwargs):
+    """Runs a project script in a subprocess; returns the CompletedProcess (text output)."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=full_env, **kwargs)

@@ -1,0 +1,179 @@
+"""
+Strict, typed configuration shared by train.py, sample.py, bench.py and ablate.py.
+
+Defaults live in dataclasses (one typed place; the comment after a field is its --help text). Then, in
+order: config files (Python files that assign keys) and --key=value overrides. An unknown key, a value of
+the wrong type or a value outside its choices is a ConfigError, which the scripts turn into exit status 2
+with the message, so a typo never trains the wrong model.
+"""
+
+import difflib
+import inspect
+import re
+import sys
+import types
+import typing
+from dataclasses import MISSING, dataclass, fields
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class Key:
+    name: str
+    type: type  # bool, int, float or str
+    optional: bool  # None allowed
+    default: object
+    help: str
+    choices: Optional[tuple] = None
+
+
+def keys_of(cls, choices=None, defaults=None, helps=None):
+    """Keys from a dataclass: types from its annotations, help from the comment after each field."""
+    hints = typing.get_type_hints(cls)
+    comments = field_comments(cls)
+    choices, defaults, helps = choices or {}, defaults or {}, helps or {}
+    keys = []
+    for f in fields(cls):
+        base, optional = unwrap_optional(hints[f.name])
+        default = defaults.get(f.name, f.default if f.default is not MISSING else None)
+        keys.append(Key(f.name, base, optional, default, helps.get(f.name, comments.get(f.name, "")),
+                        choices.get(f.name)))
+    return keys
+
+
+def unwrap_optional(hint):
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        (base,) = [a for a in args if a is not type(None)]
+        return base, True
+    return hint, False
+
+
+def field_comments(cls):
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        m = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
+        if m:
+            comments[m.group(1)] = m.group(2).strip()
+    return comments
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def parse_value(key, text):
+    """A command-line string -> the key's type."""
+    if key.optional and text.lower() in ("none", "null"):
+        return None
+    try:
+        if key.type is bool:
+            lowered = text.lower()
+            if lowered not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                raise ValueError
+            return lowered in ("true", "1", "yes", "on")
+        return key.type(text)
+    except ValueError:
+        raise ConfigError(f"--{key.name}={text}: expected {type_name(key)}") from None
+
+
+def check_value(key, value, where):
+    """A Python value (from a config file, or parsed) -> the key's type, or ConfigError."""
+    if value is None:
+        if key.optional:
+            return None
+    elif key.type is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = float(value)
+    elif isinstance(value, key.type) and not (key.type is int and isinstance(value, bool)):
+        pass
+    else:
+        raise ConfigError(f"{where}: {key.name} expects {type_name(key)}, got {type(value).__name__} {value!r}")
+    if key.choices is not None and value not in key.choices:
+        raise ConfigError(f"{where}: {key.name}={value!r} is not one of {', '.join(map(repr, key.choices))}")
+    return value
+
+
+def type_name(key):
+    name = "true/false" if key.type is bool else key.type.__name__
+    return f"{name} or None" if key.optional else name
+
+
+def unknown_key(name, keys, where):
+    close = difflib.get_close_matches(name, keys, n=3, cutoff=0.6)
+    hint = f"; did you mean {' or '.join(close)}?" if close else "; see --help for the list of keys"
+    return ConfigError(f"{where}: unknown key {name!r}{hint}")
+
+
+def read_config_file(path):
+    """Executes a config file and returns the keys it assigned (names starting with _ are private;
+    modules, functions and classes it defines or imports are ignored)."""
+    try:
+        with open(path) as f:
+            source = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    namespace = {}
+    try:
+        exec(compile(source, path, "exec"), namespace)
+    except Exception as e:
+        raise ConfigError(f"config file {path} failed: {type(e).__name__}: {e}") from None
+    return {
+        k: v for k, v in namespace.items()
+        if not k.startswith("_") and not isinstance(v, (types.ModuleType, types.FunctionType, type))
+    }  # fmt: skip
+
+
+def parse(keys, argv, extra_file_keys=()):
+    """argv: config file paths and --key=value, applied in order. Returns (values, explicit): every key's
+    value and the names set by a file or the command line. extra_file_keys: names a config file may
+    assign besides the keys (returned in values, unchecked), e.g. an ablation's variant list."""
+    by_name = {k.name: k for k in keys}
+    values = {k.name: k.default for k in keys}
+    explicit = set()
+    for arg in argv:
+        if arg.startswith("--"):
+            name, eq, text = arg[2:].partition("=")
+            if not eq:
+                raise ConfigError(f"{arg}: expected --key=value")
+            if name not in by_name:
+                raise unknown_key(name, by_name, "command line")
+            values[name] = check_value(by_name[name], parse_value(by_name[name], text), "command line")
+            explicit.add(name)
+        else:
+            for name, value in read_config_file(arg).items():
+                if name in extra_file_keys:
+                    values[name] = value
+                    continue
+                if name not in by_name:
+                    raise unknown_key(name, by_name, f"config file {arg}")
+                values[name] = check_value(by_name[name], value, f"config file {arg}")
+                explicit.add(name)
+    return values, explicit
+
+
+def help_text(keys, usage, about):
+    lines = [f"usage: {usage}", "", about, "", "keys (default, type):"]
+    width = max(len(k.name) for k in keys)
+    for k in keys:
+        kind = "|".join(map(str, k.choices)) if k.choices else type_name(k)
+        lines.append(f"  --{k.name:<{width}} = {k.default!r:<14} ({kind})  {k.help}".rstrip())
+    return "\n".join(lines)
+
+
+def parse_or_exit(keys, argv, usage, about, extra_file_keys=()):
+    """For scripts: --help prints every key and exits 0; a ConfigError exits 2 with its message."""
+    if "-h" in argv or "--help" in argv:
+        print(help_text(keys, usage, about))
+        sys.exit(0)
+    try:
+        return parse(keys, argv, extra_file_keys)
+    except ConfigError as e:
+        fail(e)
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)

@@ -1,0 +1,252 @@
+"""
+Token files, tokenizers and the training batch sampler, shared by the prepare scripts, train.py,
+sample.py and bench.py.
+
+A dataset is a directory: meta.json (tokenizer, vocabulary size, token counts) and, per split, one
+token file `{split}.bin` or shards `{split}_000000.bin`, `{split}_000001.bin`, ... Each token file is a
+64-byte header (magic, format version, bytes per token, vocabulary size, token count) followed by the
+tokens, uint16 when the vocabulary fits and uint32 otherwise.
+"""
+
+import glob
+import json
+import mmap
+import os
+
+import numpy as np
+import torch
+
+MAGIC = b"GPTTOKEN"
+VERSION = 1
+HEADER = np.dtype(
+    [("magic", "S8"), ("version", "<u4"), ("token_bytes", "<u4"), ("vocab_size", "<u8"), ("n_tokens", "<u8"),
+     ("reserved", "V32")]
+)  # fmt: skip
+assert HEADER.itemsize == 64
+
+
+class DataError(ValueError):
+    pass
+
+
+def token_dtype(vocab_size):
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def atomic_write(path, write):
+    """write(f) into a temporary file beside path, fsync, then rename over path: a crash leaves either
+    the old file or the new one, never a partial one."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_tokens(path, tokens, vocab_size):
+    tokens = np.asarray(tokens)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise DataError(f"{path}: token ids must be in [0, {vocab_size}), got [{tokens.min()}, {tokens.max()}]")
+    dtype = token_dtype(vocab_size)
+    header = np.zeros((), dtype=HEADER)
+    header["magic"], header["version"], header["token_bytes"] = MAGIC, VERSION, dtype.itemsize
+    header["vocab_size"], header["n_tokens"] = vocab_size, tokens.size
+
+    def write(f):
+        f.write(header.tobytes())
+        f.write(tokens.astype(dtype).tobytes())
+
+    atomic_write(path, write)
+
+
+class TokenFile:
+    """A token file, validated and memory-mapped. Windows are copied out, and the pages they touched are
+    released from this process right away (madvise), so a long run's resident memory does not grow with
+    the data it has read: nanoGPT re-opened its memmap every batch for the same reason."""
+
+    def __init__(self, path):
+        self.path = path
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw = f.read(HEADER.itemsize)
+        if len(raw) < HEADER.itemsize or np.frombuffer(raw, HEADER)[0]["magic"] != MAGIC:
+            raise DataError(f"{path}: not a token file (bad header); prepare the dataset again")
+        header = np.frombuffer(raw, HEADER)[0]
+        if header["version"] != VERSION or header["token_bytes"] not in (2, 4):
+            raise DataError(f"{path}: unsupported token file (version {header['version']}, "
+                            f"{header['token_bytes']} bytes per token); prepare the dataset again")
+        self.vocab_size, self.n_tokens = int(header["vocab_size"]), int(header["n_tokens"])
+        self.dtype = np.dtype(np.uint16 if header["token_bytes"] == 2 else np.uint32)
+        expected = HEADER.itemsize + self.n_tokens * self.dtype.itemsize
+        if size != expected:
+            raise DataError(f"{path}: {size} bytes, but its header promises {self.n_tokens} tokens "
+                            f"({expected} bytes): truncated or corrupt; prepare the dataset again")
+        with open(path, "rb") as f:
+            self.mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if self.n_tokens else None
+        self.tokens = (np.frombuffer(self.mmap, self.dtype, self.n_tokens, HEADER.itemsize) if self.n_tokens
+                       else np.zeros(0, self.dtype))
+
+    def window(self, start, length):
+        out = self.tokens[start : start + length].astype(np.int64)
+        if hasattr(self.mmap, "madvise"):
+            begin = (HEADER.itemsize + start * self.dtype.itemsize) // mmap.PAGESIZE * mmap.PAGESIZE
+            end = HEADER.itemsize + (start + length) * self.dtype.itemsize
+            self.mmap.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+        return out
+
+    def max_token(self, chunk=1 << 24):
+        return max((int(self.tokens[i : i + chunk].max()) for i in range(0, self.n_tokens, chunk)), default=-1)
+
+
+def split_files(data_dir, split):
+    single = os.path.join(data_dir, f"{split}.bin")
+    shards = sorted(glob.glob(os.path.join(data_dir, f"{split}_[0-9]*.bin")))
+    return [single] if os.path.exists(single) else shards
+
+
+def open_split(data_dir, split, vocab_size):
+    """The split's token files, checked: present, consistent with meta.json, every token < vocab_size."""
+    paths = split_files(data_dir, split)
+    if not paths:
+        raise DataError(f"{data_dir}: no {split}.bin or {split}_*.bin; run the dataset's prepare script first")
+    files = [TokenFile(p) for p in paths]
+    for f in files:
+        if f.vocab_size != vocab_size:
+            raise DataError(f"{f.path}: written for a vocabulary of {f.vocab_size}, meta.json says {vocab_size}")
+        top = f.max_token()
+        if top >= vocab_size:
+            raise DataError(f"{f.path}: token id {top} >= vocabulary size {vocab_size}; prepare the dataset again")
+    return files
+
+
+def read_meta(data_dir):
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.exists(path):
+        raise DataError(f"{data_dir}: no meta.json; run the dataset's prepare script first "
+                        f"(e.g. python data/shakespeare_char/prepare.py)")
+    with open(path) as f:
+        return json.load(f)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tokenizers. meta.json (and every checkpoint) names one as a small dict; tokenizer_from_meta rebuilds it.
+
+
+class CharTokenizer:
+    def __init__(self, chars):
+        self.chars = chars
+        self.stoi = {c: i for i, c in enumerate(chars)}
+        self.vocab_size = len(chars)
+        self.eot_token = None
+
+    def encode(self, text):
+        unknown = sorted(set(text) - self.stoi.keys())
+        if unknown:
+            raise DataError(f"characters not in the vocabulary: {''.join(unknown)!r}")
+        return [self.stoi[c] for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids)
+
+    def meta(self):
+        return {"kind": "char", "chars": self.chars}
+
+
+class TiktokenTokenizer:
+    def __init__(self, encoding):
+        import tiktoken
+
+        try:
+            self.enc = tiktoken.get_encoding(encoding)
+        except ValueError as e:
+            raise DataError(f"unknown tiktoken encoding {encoding!r}: {e}") from None
+        self.encoding = encoding
+        self.vocab_size = self.enc.n_vocab
+        self.eot_token = self.enc.eot_token
+
+    def encode(self, text):
+        return self.enc.encode_ordinary(text)
+
+    def encode_batch(self, texts, num_threads=8):
+        return self.enc.encode_ordinary_batch(texts, num_threads=num_threads)
+
+    def decode(self, ids):
+        return self.enc.decode(list(ids))
+
+    def meta(self):
+        return {"kind": "tiktoken", "encoding": self.encoding}
+
+
+def tokenizer_from_meta(meta):
+    if meta.get("kind") == "char":
+        return CharTokenizer(meta["chars"])
+    if meta.get("kind") == "tiktoken":
+        return TiktokenTokenizer(meta["encoding"])
+    raise DataError(f"unknown tokenizer {meta!r}")
+
+
+def char_tokenizer_for(text):
+    return CharTokenizer("".join(sorted(set(text))))
+
+
+def prepare_text(text, tokenizer, out_dir, val_fraction=0.1):
+    """Splits text at the first (1 - val_fraction) of its characters (as nanoGPT does), tokenizes each
+    part and writes train.bin, val.bin and meta.json. Returns the token counts."""
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction={val_fraction} must be in (0, 1)")
+    if not text:
+        raise DataError("the input text is empty")
+    os.makedirs(out_dir, exist_ok=True)
+    cut = int(len(text) * (1 - val_fraction))
+    counts = {}
+    for split, part in (("train", text[:cut]), ("val", text[cut:])):
+        ids = tokenizer.encode(part)
+        write_tokens(os.path.join(out_dir, f"{split}.bin"), np.array(ids, dtype=np.int64), tokenizer.vocab_size)
+        counts[split] = len(ids)
+    write_meta(out_dir, tokenizer, counts)
+    return counts
+
+
+def write_meta(out_dir, tokenizer, counts, **extra):
+    meta = {"format": VERSION, "tokenizer": tokenizer.meta(), "vocab_size": tokenizer.vocab_size,
+            "tokens": counts, **extra}
+    atomic_write(os.path.join(out_dir, "meta.json"), lambda f: f.write(json.dumps(meta, indent=2).encode()))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Batches
+
+
+class BatchSampler:
+    """Uniformly random windows of block_size + 1 tokens over all of a split's files, drawn from its own
+    seeded generator, whose state goes into checkpoints so a resumed run sees the same batches."""
+
+    def __init__(self, files, block_size, seed):
+        self.files, self.block_size = files, block_size
+        self.starts_per_file = np.array([max(0, f.n_tokens - block_size) for f in files])
+        self.total = int(self.starts_per_file.sum())
+        if self.total == 0:
+            longest = max(f.n_tokens for f in files)
+            raise DataError(f"{files[0].path}: {longest} tokens, fewer than block_size + 1 = {block_size + 1}; "
+                            "use a smaller block_size or more data")
+        self.offsets = np.cumsum(self.starts_per_file) - self.starts_per_file
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, n):
+        """n windows -> (x, y), each (n, block_size) int64, y shifted by one."""
+        picks = torch.randint(self.total, (n,), generator=self.generator).numpy()
+        file_idx = np.searchsorted(self.offsets, picks, side="right") - 1
+        rows = [self.files[i].window(int(p - self.offsets[i]), self.block_size + 1) for i, p in zip(file_idx, picks)]
+        batch = torch.from_numpy(np.stack(rows))
+        return batch[:, :-1], batch[:, 1:]
+
+    def state_dict(self):
+        return self.generator.get_state()
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state)

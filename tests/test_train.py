@@ -1,0 +1,245 @@
+import math
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train
+from checkpoint import load_checkpoint
+from conftest import ROOT, TINY_RUN, read_metrics, run_script
+
+
+def run(out_dir, dataset, *extra):
+    return train.main([*TINY_RUN, f"--dataset={dataset}", f"--out_dir={out_dir}", *extra])
+
+
+def losses(out_dir):
+    return [(r["iter"], r["loss"]) for r in read_metrics(out_dir) if "loss" in r]
+
+
+def weights(out_dir):
+    return load_checkpoint(os.path.join(out_dir, "ckpt.pt"))["model"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configuration
+
+
+def test_unknown_key_on_command_line_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit:
+        train.main(["--learning_rte=1e-3"])
+    assert exit.value.code == 2
+    assert "unknown key 'learning_rte'; did you mean learning_rate?" in capsys.readouterr().err
+
+
+def test_unknown_key_in_config_file_exits_2(tmp_path, capsys):
+    config = tmp_path / "cfg.py"
+    config.write_text("import math\nn_layer = 2\nbatchsize = 8\n_private = 1\n")
+    with pytest.raises(SystemExit) as exit:
+        train.main([str(config)])
+    assert exit.value.code == 2
+    assert f"config file {config}: unknown key 'batchsize'; did you mean batch_size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "arg, message",
+    [
+        ("--max_iters=ten", "--max_iters=ten: expected int"),
+        ("--compile=maybe", "--compile=maybe: expected true/false"),
+        ("--dropout=0.1.2", "--dropout=0.1.2: expected float"),
+        ("--lr_decay_iters=soon", "--lr_decay_iters=soon: expected int or None"),
+        ("--device=tpu", "device='tpu' is not one of 'auto', 'cpu', 'cuda', 'mps'"),
+        ("--pos_emb=rotary", "pos_emb='rotary' is not one of 'learned', 'rope'"),
+        ("--max_iters", "--max_iters: expected --key=value"),
+    ],
+)
+def test_wrong_type_on_command_line_exits_2(arg, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        train.main([arg])
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_wrong_type_in_config_file_exits_2(tmp_path, capsys):
+    config = tmp_path / "cfg.py"
+    config.write_text("learning_rate = '3e-4'\n")
+    with pytest.raises(SystemExit) as exit:
+        train.main([str(config)])
+    assert exit.value.code == 2
+    assert "learning_rate expects float, got str '3e-4'" in capsys.readouterr().err
+
+
+def test_help_lists_every_key_with_default_and_type():
+    result = run_script("train.py", "--help")
+    assert result.returncode == 0
+    for key in train.TRAIN_KEYS + train.MODEL_KEYS:
+        assert f"--{key} " in result.stdout
+    assert "--learning_rate               = 0.0006         (float)" in result.stdout
+    assert "(auto|cpu|cuda|mps)" in result.stdout
+
+
+def test_config_file_then_overrides_in_order(tmp_path):
+    from configurator import parse
+
+    config = tmp_path / "cfg.py"
+    config.write_text("n_layer = 3\nlearning_rate = 1\n")
+    values, explicit = parse(train.config_keys(), [str(config), "--n_layer=5"])
+    assert values["n_layer"] == 5 and values["learning_rate"] == 1.0 and isinstance(values["learning_rate"], float)
+    assert explicit == {"n_layer", "learning_rate"}
+    assert values["batch_size"] == 12  # untouched default
+
+
+# ---------------------------------------------------------------------------------------------------
+# Recipe
+
+
+def test_learning_rate_schedule():
+    c = dict(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, max_iters=200)
+    assert train.get_lr(0, c) == pytest.approx(1 / 11)  # not zero at step 0
+    assert train.get_lr(4, c) == pytest.approx(5 / 11)
+    assert train.get_lr(10, c) == pytest.approx(1.0)  # peak right after warmup
+    assert train.get_lr(60, c) == pytest.approx(0.55)  # half way down the cosine
+    assert train.get_lr(85, c) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.75)))
+    assert train.get_lr(110, c) == pytest.approx(0.1)
+    assert train.get_lr(150, c) == pytest.approx(0.1)
+    assert train.get_lr(50, dict(c, lr_decay_iters=None)) == pytest.approx(
+        0.1 + 0.45 * (1 + math.cos(math.pi * 40 / 190)))  # None decays over max_iters
+
+
+def test_clip_gradients_scales_to_max_norm_and_returns_pre_clip_norm():
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
+    params[0].grad = torch.tensor([3.0, 0.0, 0.0])
+    params[1].grad = torch.tensor([[0.0, 4.0], [0.0, 0.0]])
+    norm = train.clip_gradients(params, 1.0)
+    assert norm.item() == pytest.approx(5.0)
+    assert torch.cat([p.grad.flatten() for p in params]).norm().item() == pytest.approx(1.0, rel=1e-5)
+    assert params[0].grad[0].item() == pytest.approx(0.6, rel=1e-5)
+    assert train.clip_gradients(params, 10.0).item() == pytest.approx(1.0, rel=1e-5)  # below max: unchanged
+    assert train.clip_gradients(params, 0.0).item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_logged_grad_norm_is_pre_clip(tmp_path, char_dataset):
+    run(tmp_path, char_dataset, "--max_iters=1", "--grad_clip=1e-3", "--warmup_iters=0")
+    logged = read_metrics(tmp_path)
+    step0 = next(r for r in logged if "loss" in r)
+    # the same first step by hand: same seed, same initialisation, same first batch
+    from dataset import BatchSampler, open_split, read_meta
+    from model import GPT, GPTConfig, lm_loss
+
+    torch.manual_seed(1337)
+    model = GPT(GPTConfig(block_size=32, vocab_size=read_meta(char_dataset)["vocab_size"], n_layer=2, n_head=2, n_embd=32))
+    x, y = BatchSampler(open_split(char_dataset, "train", model.config.vocab_size), 32, seed=1337).sample(4)
+    lm_loss(model(x)[0], y)[0].backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    assert step0["loss"] == pytest.approx(lm_loss(model(x)[0], y)[0].item(), rel=1e-6)
+    assert step0["grad_norm"] == pytest.approx(expected, rel=1e-5)
+    assert step0["grad_norm"] > 100 * 1e-3  # so the logged value is not the clipped one
+
+
+def test_z_loss_logged_apart_and_kept_out_of_evaluation(tmp_path, char_dataset):
+    run(tmp_path / "plain", char_dataset, "--max_iters=2")
+    run(tmp_path / "z", char_dataset, "--max_iters=2", "--z_loss=0.5")
+    plain, z = read_metrics(tmp_path / "plain"), read_metrics(tmp_path / "z")
+    step = next(r for r in z if "loss" in r)
+    assert step["z_loss_term"] > 0 and step["loss"] == pytest.approx(step["ce"] + step["z_loss_term"])
+    assert "z_loss_term" not in next(r for r in plain if "loss" in r)
+    # before any step the two models are the same; evaluation reports cross-entropy alone
+    assert plain[0]["val_loss"] == z[0]["val_loss"] and plain[0]["iter"] == z[0]["iter"] == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Checkpoints and resume
+
+
+def test_checkpoint_loads_weights_only(tmp_path, char_dataset):
+    run(tmp_path, char_dataset, "--max_iters=3")
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert state["iter_num"] == 3 and state["model_config"]["n_layer"] == 2
+    assert state["tokenizer"]["kind"] == "char"
+    assert not any("_orig_mod" in k or k.startswith("module.") for k in state["model"])
+
+
+@pytest.mark.slow
+def test_compiled_run_saves_plain_keys(tmp_path, char_dataset):
+    run(tmp_path, char_dataset, "--max_iters=2", "--compile=True", "--eval_iters=1")
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert state["model"] and not any("_orig_mod" in k for k in state["model"])
+    assert not any("_orig_mod" in k for k in state["optimizer"]["state"])
+
+
+def test_resume_is_exact(tmp_path, char_dataset):
+    common = ["--dropout=0.1", "--max_iters=20", "--lr_decay_iters=20"]  # dropout: RNG state must resume too
+    run(tmp_path / "straight", char_dataset, *common)
+    run(tmp_path / "split", char_dataset, *common, "--max_iters=10")
+    assert load_checkpoint(str(tmp_path / "split" / "ckpt.pt"))["iter_num"] == 10
+    run(tmp_path / "split", char_dataset, "--init_from=resume", "--max_iters=20")
+    assert losses(tmp_path / "split") == losses(tmp_path / "straight")  # bit for bit, every step
+    assert len(losses(tmp_path / "split")) == 20
+    straight, split = weights(tmp_path / "straight"), weights(tmp_path / "split")
+    assert straight.keys() == split.keys() and all(torch.equal(straight[k], split[k]) for k in straight)
+    evals = [r["iter"] for r in read_metrics(tmp_path / "split") if "val_loss" in r]
+    assert evals == [0, 5, 10, 15, 20]  # no evaluation repeated at the resume point
+
+
+def test_resume_rejects_architecture_change(tmp_path, char_dataset, capsys):
+    run(tmp_path, char_dataset, "--max_iters=2")
+    with pytest.raises(SystemExit) as exit:
+        run(tmp_path, char_dataset, "--init_from=resume", "--n_layer=3")
+    assert exit.value.code == 2
+    assert "n_layer=3 differs from the checkpoint (n_layer=2)" in capsys.readouterr().err
+
+
+def test_scratch_refuses_to_overwrite_a_checkpoint(tmp_path, char_dataset, capsys):
+    run(tmp_path, char_dataset, "--max_iters=2")
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    with pytest.raises(SystemExit) as exit:
+        run(tmp_path, char_dataset, "--max_iters=2")
+    assert exit.value.code == 2 and "--init_from=resume" in capsys.readouterr().err
+    assert (tmp_path / "ckpt.pt").read_bytes() == before
+    run(tmp_path, char_dataset, "--max_iters=4", "--overwrite=True")
+    assert load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] == 4
+    assert [r["iter"] for r in read_metrics(tmp_path) if "loss" in r] == [0, 1, 2, 3]
+
+
+def test_nan_stops_and_keeps_previous_checkpoint(tmp_path, char_dataset, capsys):
+    run(tmp_path, char_dataset, "--max_iters=5")
+    before = (tmp_path / "ckpt.pt").read_bytes()
+    with pytest.raises(SystemExit) as exit:  # a learning rate this large overflows within a few steps
+        run(tmp_path, char_dataset, "--init_from=resume", "--max_iters=40", "--learning_rate=1e30",
+            "--min_lr=1e30", "--grad_clip=0")
+    assert exit.value.code == 1
+    err = capsys.readouterr().err
+    assert "non-finite loss or gradient norm at iteration " in err and "last good state" in err
+    bad_iter = int(err.split("at iteration ")[1].split(";")[0])
+    assert 5 <= bad_iter < 40
+    assert (tmp_path / "ckpt.pt").read_bytes() == before
+
+
+def test_skip_nonfinite_skips_the_step(tmp_path, char_dataset, capsys):
+    run(tmp_path, char_dataset, "--max_iters=12", "--learning_rate=1e30", "--min_lr=1e30", "--grad_clip=0",
+        "--skip_nonfinite=True", "--warmup_iters=0")
+    out = capsys.readouterr().out
+    assert "non-finite loss or gradient norm, step skipped" in out
+    assert any(r.get("skipped") for r in read_metrics(tmp_path))
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path, char_dataset):
+    args = [*TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path}", "--max_iters=100000",
+            "--eval_interval=100000", "--log_interval=1"]
+    proc = subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    for line in proc.stdout:
+        if line.startswith("iter 3:"):
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "continue with --init_from=resume" in out
+    saved = load_checkpoint(str(tmp_path / "ckpt.pt"))
+    assert saved["iter_num"] >= 4
+    run(tmp_path, char_dataset, "--init_from=resume", f"--max_iters={saved['iter_num'] + 2}", "--eval_interval=100000")
+    assert [r["iter"] for r in read_metrics(tmp_path) if "loss" in r] == list(range(saved["iter_num"] + 2))
