@@ -147,7 +147,8 @@ class CharTokenizer:
     def encode(self, text):
         unknown = sorted(set(text) - self.stoi.keys())
         if unknown:
-            raise DataError(f"characters not in the vocabulary: {''.join(unknown)!r}")
+            raise DataError(f"characters not in the vocabulary: {''.join(unknown)!r}; a character-level model "
+                            f"knows only the {self.vocab_size} characters of its training text")
         return [self.stoi[c] for c in text]
 
     def decode(self, ids):

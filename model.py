@@ -122,7 +122,7 @@ class ALiBiPositions(NoPositions):
     def attn_bias(self, start, T, kv_len):
         q_pos = torch.arange(start, start + T, device=self.slopes.device)[:, None]
         distance = q_pos - torch.arange(kv_len, device=self.slopes.device)[None, :]
-        bias = -self.slopes[:, None, None] * distance
+        bias = -self.slopes.float()[:, None, None] * distance  # in fp32 even for bf16 weights: slopes are powers of 2
         return bias.masked_fill(distance < 0, float("-inf"))
 
 
@@ -506,31 +506,37 @@ class GPT(nn.Module):
         the same either way.
 
         A row that emits eos_token_id stops growing: later positions repeat eos_token_id. Generation ends
-        early when every row has stopped, so `new` can be less than max_new_tokens."""
+        early when every row has stopped, so `new` can be less than max_new_tokens.
+
+        generator: None, a torch.Generator, or a list of one per row (row i then draws exactly the tokens
+        a batch of one with that generator would)."""
+        columns = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, use_cache, generator))
+        return torch.cat([idx, *columns], dim=1)
+
+    @torch.no_grad()
+    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, eos_token_id=None,
+               use_cache=True, generator=None):
+        """generate() one step at a time: yields each new (B, 1) column of tokens as soon as it exists."""
         check_sampling_args(max_new_tokens, temperature, top_k, top_p)
         B, T = idx.shape
         block_size = self.config.block_size
-        out = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
-        out[:, :T] = idx
+        seq = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
+        seq[:, :T] = idx
         cache = KVCache(self.config.n_layer, block_size) if use_cache else None
         finished = torch.zeros(B, 1, dtype=torch.bool, device=idx.device)
-        length = T
-        for _ in range(max_new_tokens):
+        for length in range(T, T + max_new_tokens):
             if cache is not None and length <= block_size:
-                step_input = out[:, cache.length : length]  # the whole prompt once, then the newest token
-                hidden = self.hidden_states(step_input, cache)
+                hidden = self.hidden_states(seq[:, cache.length : length], cache)  # the prompt, then one token
             else:
-                hidden = self.hidden_states(out[:, max(0, length - block_size) : length])
-            logits = self.lm_head(hidden[:, -1, :])
-            token = sample_next(logits, temperature, top_k, top_p, generator)
+                hidden = self.hidden_states(seq[:, max(0, length - block_size) : length])
+            token = sample_next(self.lm_head(hidden[:, -1, :]), temperature, top_k, top_p, generator)
             if eos_token_id is not None:
                 token = token.masked_fill(finished, eos_token_id)
                 finished |= token == eos_token_id
-            out[:, length] = token[:, 0]
-            length += 1
+            seq[:, length] = token[:, 0]
+            yield token
             if eos_token_id is not None and bool(finished.all()):
-                break
-        return out[:, :length]
+                return
 
     # ------------------------------------------------------------------------------------------------
     # Training helpers

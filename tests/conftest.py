@@ -61,3 +61,13 @@ def run_script(*args, timeout=300, env=None, **kwargs):
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=full_env, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory, char_dataset):
+    """A tiny character model trained for a few steps: its out_dir."""
+    import train
+
+    out = tmp_path_factory.mktemp("run")
+    train.main([*TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={out}", "--max_iters=30", "--eval_interval=30"])
+    return str(out)

@@ -1,0 +1,206 @@
+"""
+Samples text from a trained model (or GPT-2 / a Hugging Face model directory) with the KV cache.
+
+  python sample.py --out_dir=out-shakespeare-char-cpu --start="ROMEO:" --num_samples=3
+  python sample.py --init_from=gpt2 --start="FILE:prompt.txt" --stream=True
+  python sample.py --help
+
+The num_samples samples run as one batch; sample i draws from its own generator seeded with seed + i,
+so sample i of a batch is exactly what a run with --seed=<seed + i> --num_samples=1 prints.
+"""
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from configurator import ConfigError, fail, keys_of, parse_or_exit
+from dataset import DataError, TiktokenTokenizer, tokenizer_from_meta
+from model import GPT, check_sampling_args
+from train import CHECKPOINT, pick_device
+
+END_OF_TEXT = "<|endoftext|>"
+
+
+@dataclass
+class SampleConfig:
+    out_dir: str = "out"  # the training run's directory (init_from=resume)
+    init_from: str = "resume"  # resume (out_dir/ckpt.pt) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a Hugging Face model directory
+    start: str = "\n"  # the prompt, or FILE:path to read it from a file
+    num_samples: int = 3  # samples, generated together as one batch
+    max_new_tokens: int = 500  # tokens to generate per sample
+    temperature: float = 0.8  # 0 = greedy; below 1 sharper, above 1 more random
+    top_k: Optional[int] = 200  # sample among the k most likely tokens only; None = all
+    top_p: Optional[float] = None  # sample from the smallest set of tokens whose probability reaches p; None = off
+    seed: int = 1337  # sample i uses seed + i
+    device: str = "auto"  # auto | cpu | cuda | mps
+    dtype: str = "float32"  # weights' dtype for inference: float32 | bfloat16 | float16
+    compile: bool = False  # torch.compile the model first (pays off only for long generations)
+    stream: bool = False  # print text as tokens arrive (needs num_samples=1)
+    stop: Optional[str] = None  # end each sample before this string; <|endoftext|> = the end-of-text token
+
+
+CHOICES = {"device": ("auto", "cpu", "cuda", "mps"), "dtype": ("float32", "bfloat16", "float16")}
+
+
+def load_model(init_from, out_dir):
+    """(model, tokenizer) from a checkpoint or a pretrained name or directory."""
+    if init_from == "resume":
+        path = os.path.join(out_dir, CHECKPOINT)
+        state = load_checkpoint(path)
+        return model_from_checkpoint(state, path), tokenizer_from_meta(state["tokenizer"])
+    model = GPT.from_pretrained(init_from)
+    return model, pretrained_tokenizer(init_from, model)
+
+
+def pretrained_tokenizer(init_from, model):
+    """The tokenizer.json beside Hugging Face weights; GPT-2 weights without one get tiktoken's gpt2."""
+    path = os.path.join(init_from, "tokenizer.json")
+    if os.path.isdir(init_from) and os.path.exists(path):
+        with open(os.path.join(init_from, "config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+        return HFTokenizer(path, eos if isinstance(eos, int) else None)
+    if model.config.pos_emb == "learned" and model.config.vocab_size in (50257, 50304):
+        return TiktokenTokenizer("gpt2")
+    raise DataError(f"{init_from}: no tokenizer.json beside the weights; sampling needs the model's tokenizer")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json (Llama-architecture models), through the `tokenizers` package."""
+
+    def __init__(self, path, eot_token=None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError(f"{path} needs the tokenizers package: pip install tokenizers") from None
+        self.tok = Tokenizer.from_file(path)
+        self.vocab_size = self.tok.get_vocab_size()
+        self.eot_token = eot_token
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tok.decode(list(ids))
+
+
+def read_prompt(start):
+    if start.startswith("FILE:"):
+        path = start[len("FILE:") :]
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise ConfigError(f"start=FILE:{path}: cannot read the prompt file ({e.strerror})") from None
+    return start
+
+
+def encode_prompt(tokenizer, text, block_size):
+    ids = tokenizer.encode(text)
+    if not ids:
+        if tokenizer.eot_token is None:
+            raise ConfigError("the prompt is empty; give some text with --start")
+        ids = [tokenizer.eot_token]  # GPT-2's unconditional start
+    if len(ids) > block_size:
+        raise ConfigError(f"the prompt is {len(ids)} tokens, longer than the model's context (block_size="
+                          f"{block_size}); shorten it")
+    return ids
+
+
+def stop_token(tokenizer, stop):
+    """The token id that ends generation early, when the stop string is one token."""
+    if stop is None:
+        return None
+    if stop == END_OF_TEXT:
+        if tokenizer.eot_token is None:
+            raise ConfigError(f"stop={END_OF_TEXT}: this tokenizer has no end-of-text token")
+        return tokenizer.eot_token
+    try:
+        ids = tokenizer.encode(stop)
+    except DataError:
+        return None  # it cannot occur in this vocabulary: only the text cut applies, and never matches
+    return ids[0] if len(ids) == 1 else None
+
+
+def cut_at_stop(text, stop):
+    if stop is None or stop == END_OF_TEXT:
+        return text
+    at = text.find(stop)
+    return text if at < 0 else text[:at]
+
+
+def decode(tokenizer, ids, stop):
+    if stop == END_OF_TEXT and tokenizer.eot_token in ids:
+        ids = ids[: ids.index(tokenizer.eot_token)]
+    return cut_at_stop(tokenizer.decode(ids), stop)
+
+
+def generate_texts(model, tokenizer, prompt, c, device):
+    """The generated continuations (prompt excluded), one per sample."""
+    ids = encode_prompt(tokenizer, prompt, model.config.block_size)
+    idx = torch.tensor([ids] * c["num_samples"], dtype=torch.long, device=device)
+    generators = [torch.Generator(device=device).manual_seed(c["seed"] + i) for i in range(c["num_samples"])]
+    out = model.generate(idx, c["max_new_tokens"], c["temperature"], c["top_k"], c["top_p"],
+                         eos_token_id=stop_token(tokenizer, c["stop"]), generator=generators)
+    return [decode(tokenizer, row[len(ids) :].tolist(), c["stop"]) for row in out]
+
+
+def stream_text(model, tokenizer, prompt, c, device, write):
+    """One sample, written as it arrives. Text that could be the start of the stop string is held back
+    until it is clear it is not; a token that ends inside a multi-byte character waits for the rest."""
+    ids = encode_prompt(tokenizer, prompt, model.config.block_size)
+    idx = torch.tensor([ids], dtype=torch.long, device=device)
+    generator = [torch.Generator(device=device).manual_seed(c["seed"])]
+    stop = c["stop"]
+    hold = 0 if stop in (None, END_OF_TEXT) else len(stop) - 1
+    new, shown = [], ""
+    for column in model.stream(idx, c["max_new_tokens"], c["temperature"], c["top_k"], c["top_p"],
+                               eos_token_id=stop_token(tokenizer, stop), generator=generator):
+        new.append(int(column[0, 0]))
+        text = decode(tokenizer, new, stop)
+        ended = len(text) < len(tokenizer.decode(new))  # the stop string (or token) has appeared
+        ready = text if ended else text[: len(text) - hold]
+        if ready.endswith("\ufffd") and not ended:
+            continue
+        if len(ready) > len(shown):
+            write(ready[len(shown) :])
+            shown = ready
+        if ended:
+            break
+    write(text[len(shown) :])  # whatever was held back
+    return text
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    c, _ = parse_or_exit(keys_of(SampleConfig, CHOICES), argv, "python sample.py [config_file ...] [--key=value ...]",
+                         __doc__.strip().splitlines()[0])
+    try:
+        check_sampling_args(c["max_new_tokens"], c["temperature"], c["top_k"], c["top_p"])
+        if c["num_samples"] < 1:
+            raise ConfigError(f"num_samples={c['num_samples']} must be >= 1")
+        if c["stream"] and c["num_samples"] != 1:
+            raise ConfigError("stream=True prints one sample as it arrives: set num_samples=1")
+        device = pick_device(c["device"])
+        model, tokenizer = load_model(c["init_from"], c["out_dir"])
+        model.eval().to(device=device, dtype=getattr(torch, c["dtype"]))
+        if c["compile"]:  # generate() calls hidden_states; the cache length changes every step
+            model.hidden_states = torch.compile(model.hidden_states, dynamic=True)
+        prompt = read_prompt(c["start"])
+        if c["stream"]:
+            stream_text(model, tokenizer, prompt, c, device, lambda s: print(s, end="", flush=True))
+            print()
+            return
+        for text in generate_texts(model, tokenizer, prompt, c, device):
+            print(prompt + text)
+            print("---------------")
+    except ValueError as e:  # ConfigError, DataError, CheckpointError and the model's argument checks
+        fail(e)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+import pytest
+
+import sample
+from conftest import run_script
+
+
+def sample_config(**overrides):
+    c = {k.name: k.default for k in sample.keys_of(sample.SampleConfig)}
+    c.update(max_new_tokens=40, num_samples=1, device="cpu")
+    c.update(overrides)
+    return c
+
+
+@pytest.fixture(scope="module")
+def loaded(trained_run):
+    model, tokenizer = sample.load_model("resume", trained_run)
+    return model.eval(), tokenizer
+
+
+def texts(loaded, prompt="The ", **overrides):
+    model, tokenizer = loaded
+    return sample.generate_texts(model, tokenizer, prompt, sample_config(**overrides), "cpu")
+
+
+def test_same_seed_same_text(loaded):
+    assert texts(loaded, seed=7) == texts(loaded, seed=7)
+    assert texts(loaded, seed=7) != texts(loaded, seed=8)
+
+
+def test_batch_equals_single_runs_with_seed_plus_i(loaded):
+    batch = texts(loaded, seed=100, num_samples=4)
+    singles = [texts(loaded, seed=100 + i, num_samples=1)[0] for i in range(4)]
+    assert batch == singles
+    assert len(set(batch)) > 1
+
+
+def test_stop_string_cuts_before_it(loaded):
+    free = texts(loaded, seed=3, max_new_tokens=80)[0]
+    for stop in ("e", "th", "o "):
+        assert stop in free, "the test needs the stop string in the free-running text"
+        cut = texts(loaded, seed=3, max_new_tokens=80, stop=stop)[0]
+        assert cut == free[: free.index(stop)]
+
+
+def test_stream_prints_the_same_text(loaded):
+    model, tokenizer = loaded
+    for stop in (None, "th"):
+        pieces = []
+        c = sample_config(seed=5, max_new_tokens=60, stop=stop)
+        streamed = sample.stream_text(model, tokenizer, "The ", c, "cpu", pieces.append)
+        assert "".join(pieces) == streamed == texts(loaded, seed=5, max_new_tokens=60, stop=stop)[0]
+        assert len(pieces) > 5  # it arrived in pieces
+
+
+def test_cli_prints_prompt_and_samples(trained_run):
+    result = run_script("sample.py", f"--out_dir={trained_run}", "--start=The king", "--num_samples=2",
+                        "--max_new_tokens=20", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    samples = result.stdout.split("---------------\n")
+    assert len(samples) == 3 and samples[-1] == ""
+    assert all(s.startswith("The king") and len(s) >= len("The king") + 20 for s in samples[:2])
+
+
+def test_file_prompt(trained_run, tmp_path, loaded):
+    (tmp_path / "prompt.txt").write_text("The queen\n")
+    result = run_script("sample.py", f"--out_dir={trained_run}", f"--start=FILE:{tmp_path / 'prompt.txt'}",
+                        "--num_samples=1", "--max_new_tokens=15", "--seed=9", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "The queen\n" + texts(loaded, "The queen\n", seed=9, max_new_tokens=15)[0] + "\n---------------\n"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--start=The king \u00a7\u00e9!"], "characters not in the vocabulary: '\u00a7\u00e9'"),
+        (["--start=FILE:/nonexistent/prompt.txt"], "start=FILE:/nonexistent/prompt.txt: cannot read the prompt file"),
+        (["--start=" + "e" * 40], "the prompt is 40 tokens, longer than the model's context (block_size=32)"),
+        (["--top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
+        (["--temperature=-1"], "temperature=-1.0 must be >= 0"),
+        (["--max_new_tokens=0"], "max_new_tokens=0 must be >= 1"),
+        (["--stream=True", "--num_samples=2"], "set num_samples=1"),
+        (["--stop=<|endoftext|>"], "this tokenizer has no end-of-text token"),
+        (["--temprature=0.5"], "unknown key 'temprature'; did you mean temperature"),
+    ],
+)
+def test_bad_input_exits_2(trained_run, args, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        sample.main([f"--out_dir={trained_run}", "--device=cpu", "--max_new_tokens=5", *args])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_missing_checkpoint(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        sample.main([f"--out_dir={tmp_path}"])
+    assert exit.value.code == 2 and "no such checkpoint" in capsys.readouterr().err
