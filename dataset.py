@@ -166,6 +166,9 @@ class TiktokenTokenizer:
             self.enc = tiktoken.get_encoding(encoding)
         except ValueError as e:
             raise DataError(f"unknown tiktoken encoding {encoding!r}: {e}") from None
+        except Exception as e:  # its files are neither cached nor downloadable
+            raise DataError(f"cannot load tiktoken encoding {encoding!r} ({type(e).__name__}): without network, set "
+                            "TIKTOKEN_CACHE_DIR to a folder holding its files (README: Offline use)") from None
         self.encoding = encoding
         self.vocab_size = self.enc.n_vocab
         self.eot_token = self.enc.eot_token
@@ -195,6 +198,29 @@ def char_tokenizer_for(text):
     return CharTokenizer("".join(sorted(set(text))))
 
 
+def fetch_text(path, url, cache_path):
+    """The corpus text: from path when given; else from cache_path, downloading url there first."""
+    import urllib.request
+
+    if path is None:
+        path = cache_path
+        if not os.path.exists(path):
+            print(f"downloading {url}")
+            try:
+                urllib.request.urlretrieve(url, path + ".part")
+            except OSError as e:
+                raise DataError(f"download of {url} failed ({e}); without network, pass --input PATH to a "
+                                "local copy") from None
+            os.replace(path + ".part", path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
 def prepare_text(text, tokenizer, out_dir, val_fraction=0.1):
     """Splits text at the first (1 - val_fraction) of its characters (as nanoGPT does), tokenizes each
     part and writes train.bin, val.bin and meta.json. Returns the token counts."""
@@ -211,6 +237,30 @@ def prepare_text(text, tokenizer, out_dir, val_fraction=0.1):
         counts[split] = len(ids)
     write_meta(out_dir, tokenizer, counts)
     return counts
+
+
+def prepare_corpus_main(description, url, here, make_tokenizer):
+    """The command line of a single-text corpus's prepare script (data/shakespeare*/prepare.py)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", help="a local copy of the text (skips the download)")
+    parser.add_argument("--out_dir", default=here, help="where train.bin, val.bin and meta.json go")
+    args = parser.parse_args()
+    try:
+        text = fetch_text(args.input, url, os.path.join(here, "input.txt"))
+        tokenizer = make_tokenizer(text)
+        counts = prepare_text(text, tokenizer, args.out_dir)
+    except DataError as e:
+        sys.exit(f"error: {e}")
+    print(summary(text, tokenizer, counts, args.out_dir))
+
+
+def summary(text, tokenizer, counts, out_dir):
+    name = tokenizer.meta().get("encoding", "character")
+    return (f"{len(text):,} characters, {name} vocabulary of {tokenizer.vocab_size}: train has {counts['train']:,} "
+            f"tokens, val has {counts['val']:,} tokens -> {out_dir}")
 
 
 def write_meta(out_dir, tokenizer, counts, **extra):

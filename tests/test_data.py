@@ -1,0 +1,310 @@
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import train
+from conftest import SHARED_DATA, TINY_RUN, make_text, run_script
+from dataset import (
+    HEADER,
+    BatchSampler,
+    CharTokenizer,
+    DataError,
+    TokenFile,
+    char_tokenizer_for,
+    open_split,
+    prepare_text,
+    read_meta,
+    split_files,
+    write_tokens,
+)
+
+
+def gpt2_tokenizer():
+    from dataset import TiktokenTokenizer
+
+    try:
+        return TiktokenTokenizer("gpt2")
+    except Exception as e:  # no ../shared tiktoken cache and no network
+        pytest.skip(f"tiktoken gpt2 files unavailable: {e}")
+
+
+needs_corpus = pytest.mark.skipif(not (SHARED_DATA / "tinyshakespeare").is_dir(),
+                                  reason="needs the real corpora in ../shared/data")
+
+# ---------------------------------------------------------------------------------------------------
+# Token files
+
+
+@pytest.mark.parametrize("vocab, dtype", [(65, np.uint16), (65536, np.uint16), (65537, np.uint32), (100277, np.uint32)])
+def test_token_file_round_trip(tmp_path, vocab, dtype):
+    tokens = np.random.default_rng(0).integers(0, vocab, 1000)
+    write_tokens(tmp_path / "t.bin", tokens, vocab)
+    f = TokenFile(str(tmp_path / "t.bin"))
+    assert (f.vocab_size, f.n_tokens, f.dtype) == (vocab, 1000, np.dtype(dtype))
+    assert np.array_equal(f.tokens, tokens) and np.array_equal(f.window(10, 5), tokens[10:15])
+    assert os.path.getsize(tmp_path / "t.bin") == HEADER.itemsize + 1000 * np.dtype(dtype).itemsize
+
+
+def test_write_refuses_out_of_range_tokens(tmp_path):
+    with pytest.raises(DataError, match=r"token ids must be in \[0, 65\)"):
+        write_tokens(tmp_path / "t.bin", np.array([1, 65]), 65)
+    assert not list(tmp_path.iterdir())  # no partial file left behind
+
+
+def test_bad_header_and_truncation_are_named(tmp_path):
+    (tmp_path / "garbage.bin").write_bytes(b"\x00" * 200)
+    with pytest.raises(DataError, match="garbage.bin: not a token file"):
+        TokenFile(str(tmp_path / "garbage.bin"))
+    write_tokens(tmp_path / "t.bin", np.arange(100), 65536)
+    data = (tmp_path / "t.bin").read_bytes()
+    (tmp_path / "t.bin").write_bytes(data[:-1])  # an odd byte length
+    with pytest.raises(DataError, match="t.bin: 263 bytes, but its header promises 100 tokens .* truncated"):
+        TokenFile(str(tmp_path / "t.bin"))
+
+
+def test_tokens_beyond_vocabulary_are_refused(tmp_path):
+    write_tokens(tmp_path / "train.bin", np.array([1, 2, 70, 3]), 100)
+    header = np.frombuffer((tmp_path / "train.bin").read_bytes()[:64], HEADER).copy()
+    header["vocab_size"] = 65  # a header that lies about its vocabulary
+    (tmp_path / "train.bin").write_bytes(header.tobytes() + (tmp_path / "train.bin").read_bytes()[64:])
+    with pytest.raises(DataError, match="token id 70 >= vocabulary size 65"):
+        open_split(str(tmp_path), "train", 65)
+    with pytest.raises(DataError, match="written for a vocabulary of 65, meta.json says 100"):
+        open_split(str(tmp_path), "train", 100)
+
+
+def test_missing_split_and_meta(tmp_path):
+    with pytest.raises(DataError, match="no train.bin or train_\\*.bin; run the dataset's prepare script"):
+        open_split(str(tmp_path), "train", 65)
+    with pytest.raises(DataError, match="no meta.json"):
+        read_meta(str(tmp_path))
+
+
+def test_char_round_trip_and_unknown_characters():
+    text = make_text(2000)
+    tok = char_tokenizer_for(text)
+    assert tok.decode(tok.encode(text)) == text
+    with pytest.raises(DataError, match="characters not in the vocabulary: '#@'"):
+        tok.encode("the @ #")
+
+
+def test_gpt2_round_trip():
+    tok = gpt2_tokenizer()
+    text = "Hello world! Ünïcödé, 日本語, emoji 🙂 and\nnew lines."
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.encode("Hello world") == [15496, 995]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling batches
+
+
+def test_sampler_is_seeded_and_spans_shards(tmp_path):
+    for i, start in enumerate((0, 1000, 2000)):
+        write_tokens(tmp_path / f"train_{i:06d}.bin", np.arange(start, start + 100), 5000)
+    files = [TokenFile(p) for p in split_files(str(tmp_path), "train")]
+    a, b = BatchSampler(files, 8, seed=1), BatchSampler(files, 8, seed=1)
+    xa, ya = a.sample(300)
+    xb, yb = b.sample(300)
+    assert torch.equal(xa, xb) and torch.equal(ya[:, :-1], xa[:, 1:])
+    assert (xa[:, 1:] - xa[:, :-1] == 1).all()  # every window lies inside one shard
+    assert {int(x) // 1000 for x in xa[:, 0]} == {0, 1, 2}
+    state = a.state_dict()
+    after = a.sample(5)[0]
+    b.load_state_dict(state)
+    assert torch.equal(b.sample(5)[0], after)
+
+
+def test_dataset_shorter_than_a_block_is_refused(tmp_path, capsys):
+    text = make_text(300)
+    prepare_text(text, char_tokenizer_for(text), str(tmp_path / "short"))
+    with pytest.raises(SystemExit) as exit:
+        train.main([*TINY_RUN, f"--dataset={tmp_path / 'short'}", f"--out_dir={tmp_path / 'out'}",
+                    "--block_size=64", "--max_iters=2"])
+    assert exit.value.code == 2
+    assert "val.bin: 30 tokens, fewer than block_size + 1 = 65; use a smaller block_size" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "ckpt.pt").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenizer and vocabulary mismatches
+
+
+def test_model_vocabulary_smaller_than_data_is_refused(tmp_path, char_dataset, capsys):
+    with pytest.raises(SystemExit) as exit:
+        train.main([*TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path}", "--vocab_size=20", "--max_iters=2"])
+    assert exit.value.code == 2
+    assert "has a vocabulary of 48, more than the model's vocab_size=20" in capsys.readouterr().err
+
+
+def test_resume_on_other_tokenizer_is_refused(tmp_path, char_dataset, capsys):
+    train.main([*TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'run'}", "--max_iters=2"])
+    text = make_text(20_000, seed=5).upper()
+    prepare_text(text, char_tokenizer_for(text), str(tmp_path / "upper"))
+    with pytest.raises(SystemExit) as exit:
+        train.main([f"--dataset={tmp_path / 'upper'}", f"--out_dir={tmp_path / 'run'}", "--init_from=resume"])
+    assert exit.value.code == 2
+    assert "was trained with {'kind': 'char'" in capsys.readouterr().err
+
+
+def test_gpt2_weights_need_gpt2_tokens(tmp_path, char_dataset, capsys):
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=16, n_layer=1,
+                                                              n_head=2))
+    hf.save_pretrained(tmp_path / "hf")
+    with pytest.raises(SystemExit) as exit:
+        train.main([f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'run'}", f"--init_from={tmp_path / 'hf'}",
+                    "--max_iters=2", "--warmup_iters=0", "--device=cpu"])
+    assert exit.value.code == 2
+    assert "GPT-2 weights need a dataset tokenized with tiktoken gpt2" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------
+# Real corpora (skipped where ../shared/data is absent)
+
+
+@needs_corpus
+def test_shakespeare_gpt2_counts(tmp_path):
+    gpt2_tokenizer()
+    result = run_script("data/shakespeare/prepare.py", f"--input={SHARED_DATA / 'tinyshakespeare' / 'input.txt'}",
+                        f"--out_dir={tmp_path}")
+    assert result.returncode == 0, result.stderr
+    assert "train has 301,966 tokens, val has 36,059 tokens" in result.stdout
+    meta = read_meta(str(tmp_path))
+    assert meta["tokens"] == {"train": 301966, "val": 36059} and meta["tokenizer"]["encoding"] == "gpt2"
+
+
+@needs_corpus
+@pytest.mark.slow
+def test_war_and_peace_counts_and_training(tmp_path):
+    tok = gpt2_tokenizer()
+    result = run_script("data/prepare.py", str(SHARED_DATA / "warpeace" / "input.txt"), "--tokenizer=gpt2",
+                        f"--out={tmp_path / 'warpeace'}")
+    assert result.returncode == 0, result.stderr
+    assert "train has 715,543 tokens, val has 75,027 tokens" in result.stdout
+    text = (SHARED_DATA / "warpeace" / "input.txt").read_text(encoding="utf-8")
+    cut = int(len(text) * 0.9)
+    assert tok.decode(TokenFile(str(tmp_path / "warpeace" / "train.bin")).tokens.tolist()) == text[:cut]
+    assert tok.decode(TokenFile(str(tmp_path / "warpeace" / "val.bin")).tokens.tolist()) == text[cut:]
+    train.main([*TINY_RUN, f"--dataset={tmp_path / 'warpeace'}", f"--out_dir={tmp_path / 'run'}", "--max_iters=3"])
+    state = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=True)
+    assert state["model_config"]["vocab_size"] == 50257 and state["tokenizer"]["encoding"] == "gpt2"
+
+
+def test_prepare_tool_on_a_folder(tmp_path):
+    (tmp_path / "src" / "sub").mkdir(parents=True)
+    (tmp_path / "src" / "a.txt").write_text(make_text(3000, seed=1))
+    (tmp_path / "src" / "sub" / "b.md").write_text(make_text(3000, seed=2))
+    result = run_script("data/prepare.py", str(tmp_path / "src"), f"--out={tmp_path / 'mine'}", "--val_fraction=0.2")
+    assert result.returncode == 0, result.stderr
+    meta = read_meta(str(tmp_path / "mine"))
+    joined = make_text(3000, seed=1) + "\n" + make_text(3000, seed=2)
+    tok = CharTokenizer(meta["tokenizer"]["chars"])
+    assert meta["tokens"] == {"train": 4800, "val": 1201}
+    train_tokens = TokenFile(str(tmp_path / "mine" / "train.bin")).tokens.tolist()
+    assert tok.decode(train_tokens) == joined[:4800]
+    missing = run_script("data/prepare.py", str(tmp_path / "nothing*.txt"), f"--out={tmp_path / 'x'}")
+    assert missing.returncode != 0 and "no such file, folder or matching files" in missing.stderr
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sharded corpora through datasets
+
+
+def documents(n=120, seed=0):
+    return [make_text(200 + 37 * (i % 9), seed=seed + i) for i in range(n)]
+
+
+def write_corpus(tmp_path, kind, docs):
+    if kind == "jsonl":
+        path = tmp_path / "docs.jsonl"
+        path.write_text("".join(json.dumps({"text": d, "id": i}) + "\n" for i, d in enumerate(docs)))
+        return [str(path)]
+    if kind == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "docs.parquet"
+        pq.write_table(pa.table({"text": docs}), path)
+        return [str(path)]
+    folder = tmp_path / "txt"
+    folder.mkdir()
+    for i, d in enumerate(docs):
+        (folder / f"{i:04d}.txt").write_text(d)
+    return [str(folder / "*.txt")]
+
+
+def run_shards(out, files, *extra):
+    return run_script("data/fineweb/prepare.py", "--data_files", *files, f"--out_dir={out}", "--shard_size=4000",
+                      "--val_docs=10", "--num_proc=1", f"--cache_dir={out}.cache", *extra)
+
+
+def shard_tokens(out, split):
+    files = [TokenFile(p) for p in split_files(str(out), split)]
+    return files, np.concatenate([f.tokens for f in files])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "txt"])
+def test_shards_round_trip(tmp_path, kind):
+    tok = gpt2_tokenizer()
+    docs = documents()
+    files = write_corpus(tmp_path, kind, docs)
+    result = run_shards(tmp_path / "out", files)
+    assert result.returncode == 0, result.stderr
+    order = sorted(range(len(docs)), key=lambda i: f"{i:04d}.txt") if kind == "txt" else range(len(docs))
+    ordered = [docs[i] for i in order]
+    expected = {"val": ordered[:10], "train": ordered[10:]}
+    meta = read_meta(str(tmp_path / "out"))
+    for split, split_docs in expected.items():
+        shard_files, tokens = shard_tokens(tmp_path / "out", split)
+        assert all(f.vocab_size == 50257 and f.dtype == np.uint16 for f in shard_files)
+        assert all(f.n_tokens == 4000 for f in shard_files[:-1]) and 0 < shard_files[-1].n_tokens <= 4000
+        assert meta["tokens"][split] == len(tokens)
+        text = tok.decode(tokens.tolist())
+        assert text == "<|endoftext|>".join(split_docs) + "<|endoftext|>"
+    assert meta["complete"] is True and (tmp_path / "out" / "README.md").exists()
+
+
+@pytest.mark.slow
+def test_interrupted_shard_run_resumes_without_duplicates(tmp_path):
+    gpt2_tokenizer()
+    files = write_corpus(tmp_path, "jsonl", documents(200))
+    assert run_shards(tmp_path / "whole", files).returncode == 0
+    first = run_shards(tmp_path / "parts", files, "--max_shards=2")  # stops like an interruption would
+    assert first.returncode == 0 and "partial" in first.stdout
+    assert len(split_files(str(tmp_path / "parts"), "train")) == 2
+    assert read_meta(str(tmp_path / "parts"))["complete"] is False
+    # a crash while writing the third shard leaves a corrupt file that was never recorded: rewritten
+    (tmp_path / "parts" / "train_000002.bin").write_bytes(b"partial")
+    second = run_shards(tmp_path / "parts", files)
+    assert second.returncode == 0, second.stderr
+    assert "wrote train_000000.bin" not in second.stdout and "wrote train_000002.bin" in second.stdout
+    for split in ("train", "val"):
+        whole = [p for p in split_files(str(tmp_path / "whole"), split)]
+        parts = [p for p in split_files(str(tmp_path / "parts"), split)]
+        assert [os.path.basename(p) for p in whole] == [os.path.basename(p) for p in parts]
+        assert all(open(a, "rb").read() == open(b, "rb").read() for a, b in zip(whole, parts))
+    assert read_meta(str(tmp_path / "parts"))["complete"] is True
+
+
+def test_hub_names_fail_fast_offline(tmp_path):
+    started = time.monotonic()
+    result = run_script("data/fineweb/prepare.py", f"--out_dir={tmp_path / 'out'}", f"--cache_dir={tmp_path / 'c'}",
+                        env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, timeout=120)
+    assert result.returncode != 0
+    assert "cannot read HuggingFaceFW/fineweb from the Hugging Face Hub (offline" in result.stderr
+    assert "--data_files" in result.stderr
+    assert time.monotonic() - started < 60
+
+
+def test_shards_need_the_text_column(tmp_path):
+    gpt2_tokenizer()
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"content": "hello"}\n')
+    result = run_shards(tmp_path / "out", [str(path)])
+    assert result.returncode != 0 and "no column 'text' in the data" in result.stderr and "--text_column" in result.stderr
