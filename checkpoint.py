@@ -7,9 +7,13 @@ Writes are atomic (temporary file, fsync, rename, fsync of the directory): a cra
 disk leaves the previous checkpoint intact.
 """
 
+import glob
 import io
+import json
 import os
 import pickle
+import socket
+import time
 import zipfile
 
 import torch
@@ -27,12 +31,15 @@ class CheckpointError(ValueError):
 def save_checkpoint(path, state):
     buffer = io.BytesIO()
     torch.save(state, buffer)  # serialise fully before touching the disk
-    atomic_write(path, lambda f: f.write(buffer.getbuffer()))
-    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
-        os.fsync(directory)  # make the rename itself durable
-    finally:
-        os.close(directory)
+        atomic_write(path, lambda f: f.write(buffer.getbuffer()))
+        directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(directory)  # make the rename itself durable
+        finally:
+            os.close(directory)
+    except OSError as e:
+        raise OSError(e.errno, f"could not write {path} ({e.strerror}); the previous checkpoint is untouched") from None
 
 
 def load_checkpoint(path, map_location="cpu"):
@@ -62,6 +69,53 @@ def model_from_checkpoint(state, path):
     model = GPT(config)
     try:
         model.load_state_dict(state["model"])
-    except RuntimeError as e:
-        raise CheckpointError(f"{path}: weights do not match its model config: {str(e).splitlines()[0]}") from None
+    except RuntimeError as e:  # the first line is a title; the second names the first problem
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        detail = lines[1] if len(lines) > 1 else lines[0]
+        raise CheckpointError(f"{path}: weights do not match its model config ({detail[:300]})") from None
     return model
+
+
+class RunLock:
+    """Keeps two runs from writing the same out_dir. An OS file lock (flock) on out_dir/lock: the kernel
+    releases it when its process dies however it dies, so the lock a killed run leaves behind is stale
+    by construction and the next run takes it over; the file only says who holds it."""
+
+    def __init__(self, out_dir):
+        self.path = os.path.join(out_dir, "lock")
+        self.fd = None
+
+    def acquire(self):
+        try:
+            import fcntl
+        except ImportError:  # Windows: no advisory locks; run without one
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            return self
+        try:
+            os.makedirs(os.path.dirname(self.path), exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise CheckpointError(f"cannot write to out_dir {os.path.dirname(self.path)}: {e.strerror}") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self.fd, 4096, 0).decode(errors="replace")
+            os.close(self.fd)
+            self.fd = None
+            raise CheckpointError(f"{os.path.dirname(self.path)} is in use by another run ({holder or 'unknown'}); "
+                                  "wait for it to finish or use another out_dir") from None
+        stale = os.pread(self.fd, 4096, 0).decode(errors="replace")
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                       "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        self.took_over = stale or None  # what a run that died without releasing it had written
+        # temporary files of checkpoint writes that a killed run left half-done
+        for tmp in glob.glob(os.path.join(os.path.dirname(self.path), "*.tmp.*")):
+            os.remove(tmp)
+        return self
+
+    def release(self):
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)
+            os.close(self.fd)  # closing releases the flock
+            self.fd = None
