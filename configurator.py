@@ -126,10 +126,9 @@ def read_config_file(path):
     }  # fmt: skip
 
 
-def parse(keys, argv, extra_file_keys=()):
+def parse(keys, argv):
     """argv: config file paths and --key=value, applied in order. Returns (values, explicit): every key's
-    value and the names set by a file or the command line. extra_file_keys: names a config file may
-    assign besides the keys (returned in values, unchecked), e.g. an ablation's variant list."""
+    value and the names set by a file or the command line."""
     by_name = {k.name: k for k in keys}
     values = {k.name: k.default for k in keys}
     explicit = set()
@@ -140,18 +139,26 @@ def parse(keys, argv, extra_file_keys=()):
                 raise ConfigError(f"{arg}: expected --key=value")
             if name not in by_name:
                 raise unknown_key(name, by_name, "command line")
-            values[name] = check_value(by_name[name], parse_value(by_name[name], text), "command line")
-            explicit.add(name)
+            assign(by_name, values, explicit, {name: parse_value(by_name[name], text)}, "command line")
         else:
-            for name, value in read_config_file(arg).items():
-                if name in extra_file_keys:
-                    values[name] = value
-                    continue
-                if name not in by_name:
-                    raise unknown_key(name, by_name, f"config file {arg}")
-                values[name] = check_value(by_name[name], value, f"config file {arg}")
-                explicit.add(name)
+            assign(by_name, values, explicit, read_config_file(arg), f"config file {arg}")
     return values, explicit
+
+
+def parse_dict(keys, new, where):
+    """Like parse, for a dict of Python values (e.g. an ablation variant)."""
+    by_name = {k.name: k for k in keys}
+    values, explicit = {k.name: k.default for k in keys}, set()
+    assign(by_name, values, explicit, new, where)
+    return values, explicit
+
+
+def assign(by_name, values, explicit, new, where):
+    for name, value in new.items():
+        if name not in by_name:
+            raise unknown_key(name, by_name, where)
+        values[name] = check_value(by_name[name], value, where)
+        explicit.add(name)
 
 
 def help_text(keys, usage, about):
@@ -163,13 +170,13 @@ def help_text(keys, usage, about):
     return "\n".join(lines)
 
 
-def parse_or_exit(keys, argv, usage, about, extra_file_keys=()):
+def parse_or_exit(keys, argv, usage, about):
     """For scripts: --help prints every key and exits 0; a ConfigError exits 2 with its message."""
     if "-h" in argv or "--help" in argv:
         print(help_text(keys, usage, about))
         sys.exit(0)
     try:
-        return parse(keys, argv, extra_file_keys)
+        return parse(keys, argv)
     except ConfigError as e:
         fail(e)
 

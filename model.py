@@ -19,6 +19,7 @@ Hugging Face interop.
 import json
 import math
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -173,6 +174,11 @@ def attention_explicit(q, k, v, bias, start, dropout_p=0.0):
 
 
 def attention_sdpa(q, k, v, bias, start, dropout_p=0.0):
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        # torch 2.13's CPU flash-attention kernel is 2-4x slower in bf16 than in fp32 (backward above
+        # all; measured in docs/research_log.md), so on CPU attention runs in fp32
+        with torch.autocast("cpu", enabled=False):  # autocast would cast them straight back to bf16
+            return attention_sdpa(q.float(), k.float(), v.float(), bias, start, dropout_p).to(q.dtype)
     T, kv_len = q.size(2), k.size(2)
     gqa = q.size(1) != k.size(1)
     if bias is not None:  # ALiBi: the bias already holds -inf above the diagonal
@@ -186,6 +192,36 @@ def attention_sdpa(q, k, v, bias, start, dropout_p=0.0):
 
 
 ATTENTION = {"sdpa": attention_sdpa, "explicit": attention_explicit}
+
+
+@contextmanager
+def recording_max_attention_logit(model):
+    """Yields a list; every attention call inside the block appends its largest pre-softmax score
+    (scaled q.k plus any ALiBi bias, causal positions only). Diagnoses attention-logit growth
+    (Wortsman et al. 2023) without touching the attention code itself."""
+    found = []
+
+    def recorder(attend):
+        def attend_and_record(q, k, v, bias, start, dropout_p=0.0):
+            n_rep = q.size(1) // k.size(1)
+            scores = (q.float() @ k.repeat_interleave(n_rep, dim=1).float().transpose(-2, -1)) / math.sqrt(q.size(-1))
+            if bias is not None:
+                scores = scores + bias.float()
+            scores = scores.masked_fill(~causal_mask(start, q.size(2), k.size(2), q.device), float("-inf"))
+            found.append(scores.max())
+            return attend(q, k, v, bias, start, dropout_p)
+
+        return attend_and_record
+
+    attentions = [block.attn for block in model.blocks]
+    originals = [attn.attend for attn in attentions]
+    for attn, attend in zip(attentions, originals):
+        attn.attend = recorder(attend)
+    try:
+        yield found
+    finally:
+        for attn, attend in zip(attentions, originals):
+            attn.attend = attend
 
 
 class CausalSelfAttention(nn.Module):
@@ -552,6 +588,21 @@ class GPT(nn.Module):
         ]
         fused = device_type in ("cuda", "cpu", "mps")
         return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+
+    def configure_muon(self, weight_decay, learning_rate, betas, device_type, momentum=0.95):
+        """[Muon, AdamW]: Muon (Jordan et al. 2024: momentum orthogonalised by Newton-Schulz) for the
+        blocks' matrices, with its rate scaled to match AdamW's update size (Liu et al. 2025) so one
+        learning_rate serves both; AdamW for the embeddings, the head, norm gains and biases."""
+        hidden = {id(p) for p in self.blocks.parameters() if p.dim() == 2}
+        muon = torch.optim.Muon([p for p in self.blocks.parameters() if id(p) in hidden], lr=learning_rate,
+                                weight_decay=weight_decay, momentum=momentum, adjust_lr_fn="match_rms_adamw")
+        rest = [p for p in self.parameters() if id(p) not in hidden]
+        groups = [
+            {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cuda", "cpu", "mps"))
+        return [muon, adamw]
 
     def flops_per_token(self, seq_len):
         """Training (forward + backward) FLOPs per token, as in the PaLM paper's appendix: 6 per matmul

@@ -23,10 +23,10 @@ import torch
 import torch.distributed as dist
 
 import model as model_module
-from checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from checkpoint import CheckpointError, RunLock, load_checkpoint, save_checkpoint
 from configurator import ConfigError, fail, keys_of, parse_or_exit
 from dataset import BatchSampler, DataError, open_split, read_meta
-from model import GPT, GPTConfig, lm_loss
+from model import GPT, GPTConfig, lm_loss, recording_max_attention_logit
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CHECKPOINT = "ckpt.pt"
@@ -46,11 +46,14 @@ class TrainConfig:
     eval_iters: int = 200  # batches per split per evaluation
     log_interval: int = 10  # steps between log lines
     always_save_checkpoint: bool = True  # False: write ckpt.pt only when val loss improves (keeps the best)
+    log_stability: bool = False  # each evaluation also logs the largest attention logit and the mean log Z of the output
     # batches
     batch_size: int = 12  # sequences per micro-step, per process
     gradient_accumulation_steps: int = 1  # micro-steps per optimizer step, over all processes together
-    # AdamW and its schedule
-    learning_rate: float = 6e-4  # peak learning rate, reached after warmup
+    # optimizer and its schedule
+    optimizer: str = "adamw"  # adamw | muon (Muon for the blocks' matrices, AdamW for embeddings, head, norms, biases)
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum
+    learning_rate: float = 6e-4  # peak learning rate, reached after warmup (Muon's is scaled to match AdamW's update size)
     min_lr: float = 6e-5  # the cosine decays to this
     warmup_iters: int = 100  # linear warmup steps (step 0 already has a non-zero rate)
     lr_decay_iters: Optional[int] = None  # step where the cosine reaches min_lr; None = max_iters
@@ -72,6 +75,7 @@ class TrainConfig:
 
 
 CHOICES = {"device": ("auto", "cpu", "cuda", "mps"), "dtype": ("auto", "float32", "bfloat16", "float16"),
+           "optimizer": ("adamw", "muon"),
            **model_module.CHOICES}  # fmt: skip
 TRAIN_KEYS = [f.name for f in fields(TrainConfig)]
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
@@ -82,7 +86,7 @@ def config_keys():
     return keys_of(TrainConfig, CHOICES) + keys_of(GPTConfig, CHOICES, helps={"vocab_size": VOCAB_HELP})
 
 
-def check_config(c, explicit=()):
+def check_config(c):
     """Values that parse but cannot work; each a ConfigError naming the key."""
     positive = ["max_iters", "eval_interval", "eval_iters", "log_interval", "batch_size", "gradient_accumulation_steps"]
     for key in positive:
@@ -229,7 +233,7 @@ class Logger:
                 f.truncate(metrics_bytes)
         elif metrics_bytes is None and os.path.exists(path):
             os.remove(path)
-        self.file = open(path, "a")
+        self.file = open(path, "a", buffering=1)  # line-buffered: `tail -f metrics.jsonl` follows the run
         if sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -322,8 +326,8 @@ def main(argv=None):
         result = train(values, explicit)
     except (ConfigError, DataError, CheckpointError) as e:
         fail(e)
-    except NonFinite as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (NonFinite, OSError) as e:  # not bad input: a diverged run, a full disk
+        print(f"error: {e.strerror if isinstance(e, OSError) and e.strerror else e}", file=sys.stderr)
         sys.exit(1)
     if result["signal"] is not None:
         sys.exit(128 + result["signal"])  # the shell's convention for "ended by this signal"
@@ -331,6 +335,11 @@ def main(argv=None):
 
 
 def train(c, explicit):
+    started = time.perf_counter()
+
+    def elapsed():
+        return elapsed_before + time.perf_counter() - started
+
     out_dir = c["out_dir"]
     ckpt_path = os.path.join(out_dir, CHECKPOINT)
     ckpt = None
@@ -340,7 +349,7 @@ def train(c, explicit):
     elif os.path.exists(ckpt_path) and not c["overwrite"]:
         raise ConfigError(f"{ckpt_path} exists: continue it with --init_from=resume, or start over with "
                           "--overwrite=True (or another --out_dir)")
-    check_config(c, explicit)
+    check_config(c)
 
     device_type = pick_device(c["device"])
     world = Dist(device_type)
@@ -357,6 +366,8 @@ def train(c, explicit):
         raise ConfigError(f"eval_iters={c['eval_iters']} must be divisible by the number of processes ({world.world})")
     if c["fsdp"] and not world.enabled:
         raise ConfigError("fsdp=True needs torchrun (several processes); without it, leave fsdp=False")
+    if c["fsdp"] and c["optimizer"] == "muon":
+        raise ConfigError("optimizer=muon does not support sharded (FSDP2) parameters; use DDP (fsdp=False)")
     micro_steps = c["gradient_accumulation_steps"] // world.world
     torch.manual_seed(c["seed"])  # the same initial weights in every process (FSDP2 does not broadcast them)
 
@@ -371,6 +382,7 @@ def train(c, explicit):
     torch.manual_seed(c["seed"] + world.rank)  # then a dropout stream of its own per process
     splits = {s: open_split(data_dir, s, data_meta["vocab_size"]) for s in ("train", "val")}
     train_batches = BatchSampler(splits["train"], config.block_size, seed=c["seed"])
+    eval_batches = {s: BatchSampler(files, config.block_size, seed=0) for s, files in splits.items()}
 
     # Full weights load before sharding; FSDP2 then shards them in place, and the optimizer must see
     # the sharded parameters.
@@ -383,24 +395,31 @@ def train(c, explicit):
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
-    optimizer = model.configure_optimizers(c["weight_decay"], c["learning_rate"], (c["beta1"], c["beta2"]), device_type)
+    betas = (c["beta1"], c["beta2"])
+    if c["optimizer"] == "muon":
+        optimizers = model.configure_muon(c["weight_decay"], c["learning_rate"], betas, device_type, c["muon_momentum"])
+    else:
+        optimizers = [model.configure_optimizers(c["weight_decay"], c["learning_rate"], betas, device_type)]
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
 
     full_state = StateDictOptions(full_state_dict=True, cpu_offload=True)
     start_iter, best_val, evaluated_at, metrics_bytes = 0, float("inf"), -1, None
+    elapsed_before = 0.0  # wall seconds of the run before this process (resumes add up)
+    ckpt_rng_processes = None
     if ckpt is not None:
-        set_optimizer_state_dict(model, optimizer, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(model, optimizers, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
         if ckpt["scaler"]:
             scaler.load_state_dict(ckpt["scaler"])
         train_batches.load_state_dict(ckpt["sampler"])
         rng = ckpt["rng"]
-        if len(rng["cpu"]) == world.world:
+        ckpt_rng_processes = len(rng["cpu"])
+        if ckpt_rng_processes == world.world:
             torch.set_rng_state(rng["cpu"][world.rank])
             if device_type == "cuda" and rng["cuda"][world.rank] is not None:
                 torch.cuda.set_rng_state(rng["cuda"][world.rank])
         start_iter, best_val, evaluated_at = ckpt["iter_num"], ckpt["best_val_loss"], ckpt["evaluated_at"]
-        metrics_bytes = ckpt["metrics_bytes"]
+        metrics_bytes, elapsed_before = ckpt["metrics_bytes"], ckpt["elapsed"]
         del ckpt
 
     raw_model = model
@@ -434,8 +453,8 @@ def train(c, explicit):
         none of them moves the training RNG, so resuming stays exact."""
         model.eval()
         result = {}
-        for i, split in enumerate(("train", "val")):
-            sampler = BatchSampler(splits[split], config.block_size, seed=c["seed"] + 1 + i)
+        for i, (split, sampler) in enumerate(eval_batches.items()):
+            sampler.generator.manual_seed(c["seed"] + 1 + i)
             total = torch.zeros((), device=device)
             for k in range(c["eval_iters"]):
                 x, y = sampler.sample(c["batch_size"])
@@ -445,11 +464,17 @@ def train(c, explicit):
                     logits, _ = model(to_device(x))
                 total += lm_loss(logits, to_device(y))[1].float()
             result[split] = (world.mean(total) * world.world / c["eval_iters"]).item()
+        if c["log_stability"]:  # on one val batch: the instabilities' two symptoms
+            x, _ = eval_batches["val"].sample(c["batch_size"])
+            with recording_max_attention_logit(raw_model) as logits_max, autocast:
+                logits, _ = raw_model(to_device(x))
+            result["max_attn_logit"] = world.mean(torch.stack(logits_max).max()).item()
+            result["mean_log_z"] = world.mean(torch.logsumexp(logits.float(), dim=-1).mean()).item()
         model.train()
         return result
 
     def checkpoint(iter_num):
-        model_state, optim_state = get_state_dict(raw_model, optimizer, options=full_state)
+        model_state, optim_state = get_state_dict(raw_model, optimizers, options=full_state)
         rng = world.gather((torch.get_rng_state(), torch.cuda.get_rng_state() if device_type == "cuda" else None))
         if not world.master:
             return
@@ -460,13 +485,18 @@ def train(c, explicit):
             "tokenizer": data_meta["tokenizer"], "iter_num": iter_num, "best_val_loss": best_val,
             "evaluated_at": evaluated_at, "sampler": train_batches.state_dict(),
             "rng": {"cpu": [r[0] for r in rng], "cuda": [r[1] for r in rng]},
-            "metrics_bytes": logger.durable_size(),
+            "metrics_bytes": logger.durable_size(), "elapsed": elapsed(),
         }  # fmt: skip
         save_checkpoint(ckpt_path, state)
 
-    if world.master:
-        os.makedirs(out_dir, exist_ok=True)
+    # one run per out_dir; taken only now, so input that fails the checks above leaves nothing behind
+    lock = RunLock(out_dir).acquire() if world.master else None
     logger = Logger(c, out_dir, start_iter, metrics_bytes, world.master)
+    if ckpt_rng_processes and ckpt_rng_processes != world.world:
+        logger.print(f"note: the checkpoint comes from {ckpt_rng_processes} process(es), this run has {world.world}: "
+                     "batches continue exactly, dropout's random streams start afresh")
+    if lock is not None and lock.took_over:
+        logger.print(f"took over the lock of a run that ended without releasing it: {lock.took_over}")
     tokens_per_iter = c["gradient_accumulation_steps"] * c["batch_size"] * config.block_size
     logger.print(f"{raw_model.get_num_params():,} parameters | {device} {dtype} | {world.world} process(es) | "
                  f"{tokens_per_iter:,} tokens per step | steps {start_iter} -> {c['max_iters']}")
@@ -500,7 +530,8 @@ def train(c, explicit):
                 evaluated_at = iter_num
                 improved = losses["val"] < best_val
                 best_val = min(best_val, losses["val"])
-                logger.log({"iter": iter_num, "train_loss": losses["train"], "val_loss": losses["val"]},
+                logger.log({"iter": iter_num, **{f"{k}_loss" if k in ("train", "val") else k: v
+                                                  for k, v in losses.items()}, "elapsed": elapsed()},
                            f"eval {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                            + (" (best)" if improved else ""))
                 if iter_num > start_iter and (improved or c["always_save_checkpoint"]):
@@ -510,8 +541,9 @@ def train(c, explicit):
                 break
 
             lr = get_lr(iter_num, c)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            for optimizer in optimizers:
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
             x_all, y_all = train_batches.sample(c["gradient_accumulation_steps"] * c["batch_size"])
             loss_sum = torch.zeros((), device=device)
             ce_sum = torch.zeros((), device=device)
@@ -526,7 +558,8 @@ def train(c, explicit):
                     scaler.scale(loss / micro_steps).backward()
                 loss_sum += loss.detach()
                 ce_sum += ce.detach()
-            scaler.unscale_(optimizer)
+            for optimizer in optimizers:
+                scaler.unscale_(optimizer)
             grad_norm = clip_gradients(raw_model.parameters(), c["grad_clip"])
             # with fp16 an infinite gradient is the GradScaler's business: it skips the step and rescales
             bad = ~torch.isfinite(loss_sum) if scaler.is_enabled() else ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
@@ -536,12 +569,12 @@ def train(c, explicit):
             else:
                 first_bad = torch.where(bad & (first_bad < 0), iter_num, first_bad)
             if skipped:
-                optimizer.zero_grad(set_to_none=True)
-                scaler.update()
                 logger.print(f"iteration {iter_num}: non-finite loss or gradient norm, step skipped")
             else:
-                scaler.step(optimizer)
-                scaler.update()
+                for optimizer in optimizers:
+                    scaler.step(optimizer)
+            scaler.update()
+            for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
             logger.step()
 
@@ -554,7 +587,8 @@ def train(c, explicit):
                 tokens_per_sec = steps * tokens_per_iter / max(now - last_log_time, 1e-9)
                 mfu = raw_model.estimate_mfu(tokens_per_sec / world.world, config.block_size, device)
                 record = {"iter": iter_num, "loss": loss_val, "ce": ce_val, "lr": lr, "grad_norm": grad_norm.item(),
-                          "tokens_per_sec": tokens_per_sec, "ms_per_iter": 1000 * (now - last_log_time) / steps}
+                          "tokens_per_sec": tokens_per_sec, "ms_per_iter": 1000 * (now - last_log_time) / steps,
+                          "elapsed": elapsed()}
                 if config.z_loss > 0:
                     record["z_loss_term"] = loss_val - ce_val
                 if mfu is not None:
@@ -584,6 +618,8 @@ def train(c, explicit):
             signal.signal(s, handler)
         logger.close()
         world.close()
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":
