@@ -1,0 +1,335 @@
+"""
+Measures training and sampling speed, optionally side by side with Hugging Face transformers.
+
+  python bench.py train [config_file ...] [--key=value ...]   tokens/s, ms/step, MFU, peak memory
+  python bench.py sample ...                                   prefill and decode tokens/s, ms/token by context
+  python bench.py all ...                                      both
+  python bench.py train --compare=hf --threads=1               ours and transformers', interleaved
+  python bench.py --help
+
+The model is a random one of the shape the keys give (every GPTConfig field is a key), or a trained one
+with --out_dir. With --compare=hf the same weights are loaded into GPT2LMHeadModel or LlamaForCausalLM
+and the two are timed in alternation (A, B, A, B, ... for --rounds rounds), so load on the machine hits
+both alike; ratios are medians of the per-round ratios.
+"""
+
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, fields
+
+import torch
+
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from configurator import ConfigError, fail, keys_of, parse_or_exit
+from model import CHOICES as MODEL_CHOICES
+from model import GPT, GPTConfig, KVCache, cuda_peak_flops, lm_loss
+from train import CHECKPOINT, pick_device, pick_dtype
+
+
+@dataclass
+class BenchConfig:
+    out_dir: str = ""  # benchmark the model in out_dir/ckpt.pt; empty = a random model of the shape keys below
+    batch_size: int = 12  # training batch
+    dtype: str = "auto"  # training autocast: auto | float32 | bfloat16 | float16 (auto as in train.py)
+    weights_dtype: str = "float32"  # sampling: the weights' dtype (bfloat16 halves the bytes read per token)
+    device: str = "auto"  # auto | cpu | cuda | mps
+    compile: bool = False  # torch.compile our training step's model (compile time reported apart)
+    threads: int = 0  # torch.set_num_threads; 0 = PyTorch's default
+    rounds: int = 5  # interleaved rounds per measurement (at least 5 for --compare)
+    steps: int = 3  # training steps timed per round
+    warmup: int = 2  # untimed steps or generations first
+    prompt_len: int = 512  # sampling: prompt tokens (prefill)
+    new_tokens: int = 200  # sampling: generated tokens (greedy)
+    contexts: str = "10,100,1000"  # sampling: decode ms per token at these context lengths
+    compare: str = ""  # hf: also measure the same model in transformers
+    hf_dtype: str = "float32"  # transformers' dtype for --compare=hf (its weights and compute)
+    json: str = ""  # also write the results to this JSON file
+    seed: int = 0
+
+
+CHOICES = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("auto", "cpu", "cuda", "mps"),
+           "weights_dtype": ("float32", "bfloat16", "float16"), "compare": ("", "hf"),
+           "hf_dtype": ("float32", "bfloat16"), **MODEL_CHOICES}  # fmt: skip
+MODEL_KEYS = [f.name for f in fields(GPTConfig)]
+BENCH_KEYS = [f.name for f in fields(BenchConfig)]
+
+
+def config_keys():
+    return keys_of(BenchConfig, CHOICES) + keys_of(GPTConfig, CHOICES)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measuring
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds(fn, device):
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def interleave(contenders, rounds):
+    """contenders: name -> fn() returning seconds. Calls them in turn, round after round (A, B, A, B...),
+    and returns name -> list of seconds."""
+    times = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            times[name].append(fn())
+    return times
+
+
+def median_ratio(times, numerator, denominator):
+    """Median over rounds of numerator's time / denominator's time: > 1 means the denominator is faster."""
+    return statistics.median(a / b for a, b in zip(times[numerator], times[denominator]))
+
+
+def matmul_peak(dtype, device, n=2048, repeats=5):
+    """FLOP/s of the best of a few n x n x n matmuls: the machine's practical peak at this dtype."""
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    a @ b
+    best = min(seconds(lambda: a @ b, device) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def copy_bandwidth(device, n_bytes=1 << 29, repeats=5):
+    """Bytes/s moved by a large tensor copy, counting the read and the write: the memory roofline's rate."""
+    src = torch.empty(n_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = min(seconds(lambda: dst.copy_(src), device) for _ in range(repeats))
+    return 2 * n_bytes / best
+
+
+def peak_memory(device):
+    if torch.device(device).type == "cuda":
+        return {"peak_gpu_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20}
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The two sides
+
+
+def build_model(c, device):
+    if c["out_dir"]:
+        path = os.path.join(c["out_dir"], CHECKPOINT)
+        return model_from_checkpoint(load_checkpoint(path), path).to(device)
+    torch.manual_seed(c["seed"])
+    try:
+        return GPT(GPTConfig(**{k: c[k] for k in MODEL_KEYS})).to(device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def hf_twin(model, dtype):
+    """The same weights in transformers (GPT2LMHeadModel or LlamaForCausalLM), via save_pretrained."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError("--compare=hf needs transformers: pip install transformers") from None
+    transformers.logging.set_verbosity_error()
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        twin = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=getattr(torch, dtype))
+    return twin.to(next(model.parameters()).device)
+
+
+class OurTrainStep:
+    def __init__(self, model, c, device, dtype):
+        self.model, self.device = model, device
+        device_type = torch.device(device).type
+        self.optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)
+        self.autocast = (nullcontext() if dtype == "float32"
+                         else torch.autocast(device_type, dtype=getattr(torch, dtype)))  # fmt: skip
+        self.forward = torch.compile(model) if c["compile"] else model
+        self.z_loss = model.config.z_loss
+
+    def __call__(self, x, y):
+        with self.autocast:
+            logits, _ = self.forward(x)
+        loss = lm_loss(logits, y, self.z_loss)[0]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class HFTrainStep:
+    """transformers' own recipe: its model computes the loss; torch's default AdamW."""
+
+    def __init__(self, model):
+        self.model = model.train()
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def __call__(self, x, y):
+        loss = self.model(input_ids=x, labels=x).loss  # transformers shifts the labels itself
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def bench_train(model, c, device, dtype):
+    config = model.config
+    B, T = c["batch_size"], config.block_size
+    g = torch.Generator().manual_seed(c["seed"])
+    x = torch.randint(config.vocab_size, (B, T), generator=g).to(device)
+    y = torch.randint(config.vocab_size, (B, T), generator=g).to(device)
+    steps = {"ours": OurTrainStep(model, c, device, dtype)}
+    if c["compare"] == "hf":
+        steps["hf"] = HFTrainStep(hf_twin(model, c["hf_dtype"]))
+    compile_seconds = seconds(lambda: steps["ours"](x, y), device) if c["compile"] else None
+    for step in steps.values():
+        for _ in range(c["warmup"]):
+            step(x, y)
+
+    def timer(step):
+        return lambda: seconds(lambda: [step(x, y) for _ in range(c["steps"])], device) / c["steps"]
+
+    times = interleave({name: timer(step) for name, step in steps.items()}, c["rounds"])
+    ms = statistics.median(times["ours"]) * 1000
+    tokens_per_sec = B * T / (ms / 1000)
+    device_type = torch.device(device).type
+    measured_peak = None if device_type == "cuda" else matmul_peak(getattr(torch, dtype), device)
+    peak = cuda_peak_flops(device) if device_type == "cuda" else measured_peak
+    result = {
+        "shape": f"{config.n_layer}x{config.n_embd}, T{T}, B{B}", "dtype": dtype, "ms_per_step": ms,
+        "tokens_per_sec": tokens_per_sec, "flops_per_token": model.flops_per_token(T),
+        "mfu": model.estimate_mfu(tokens_per_sec, T, peak_flops=peak) if peak else None,
+        "peak_flops": peak, "peak_source": "measured matmul" if measured_peak else "device table",
+        "compile_seconds": compile_seconds, "rounds_ms": [t * 1000 for t in times["ours"]], **peak_memory(device),
+    }  # fmt: skip
+    if "hf" in times:
+        result.update(hf_ms_per_step=statistics.median(times["hf"]) * 1000, hf_dtype=c["hf_dtype"],
+                      hf_rounds_ms=[t * 1000 for t in times["hf"]], speedup_vs_hf=median_ratio(times, "hf", "ours"))
+    return result
+
+
+def decode_ms_per_token(model, context, device, n=20):
+    """ms per decode step with `context` tokens already cached (the cache as generate() uses it)."""
+    config = model.config
+    if context + n > config.block_size:
+        raise ConfigError(f"contexts: {context} + {n} steps exceeds block_size={config.block_size}")
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(config.vocab_size, (1, context), generator=g).to(device)
+    token = prompt[:, -1:]
+    with torch.no_grad():
+        cache = KVCache(config.n_layer, config.block_size)
+        model(prompt, kv_cache=cache)
+
+        def steps():
+            for _ in range(n):
+                model.lm_head(model.hidden_states(token, cache)[:, -1]).argmax(-1)
+
+        return seconds(steps, device) / n * 1000
+
+
+def bench_sample(model, c, device):
+    config = model.config
+    twin = hf_twin(model.eval(), c["hf_dtype"]).eval() if c["compare"] == "hf" else None  # from fp32 weights
+    model = model.eval().to(dtype=getattr(torch, c["weights_dtype"]))
+    P, N = c["prompt_len"], c["new_tokens"]
+    if P + N > config.block_size:
+        raise ConfigError(f"prompt_len + new_tokens = {P + N} exceeds block_size={config.block_size}; "
+                          "beyond it every step recomputes the window (see model.generate)")
+    g = torch.Generator().manual_seed(c["seed"])
+    prompt = torch.randint(config.vocab_size, (1, P), generator=g).to(device)
+    runs = {
+        "prefill": lambda: model(prompt, kv_cache=KVCache(config.n_layer, config.block_size)),
+        "ours": lambda: model.generate(prompt, N, temperature=0),
+    }
+    if twin is not None:
+        mask = torch.ones_like(prompt)
+        runs["hf"] = lambda: twin.generate(prompt, attention_mask=mask, max_new_tokens=N, min_new_tokens=N,
+                                           do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        for run in runs.values():
+            for _ in range(c["warmup"]):
+                run()
+        times = interleave({name: (lambda run=run: seconds(run, device)) for name, run in runs.items()}, c["rounds"])
+    prefill, total = statistics.median(times["prefill"]), statistics.median(times["ours"])
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bandwidth = copy_bandwidth(device)
+    decode_per_token = (total - prefill) / N
+    result = {
+        "shape": f"{config.n_layer}x{config.n_embd}, vocab {config.vocab_size}", "weights_dtype": c["weights_dtype"],
+        "prompt_len": P, "new_tokens": N, "prefill_tokens_per_sec": P / prefill, "decode_tokens_per_sec": 1 / decode_per_token,
+        "generate_tokens_per_sec": N / total, "weight_bytes": weight_bytes, "copy_bandwidth_gb_s": bandwidth / 1e9,
+        "roofline_tokens_per_sec": bandwidth / weight_bytes,
+        "fraction_of_roofline": (1 / decode_per_token) / (bandwidth / weight_bytes),
+        "decode_ms_per_token_at_context": {ctx: decode_ms_per_token(model, ctx, device) for ctx in contexts(c, config)},
+        **peak_memory(device),
+    }  # fmt: skip
+    if "hf" in times:
+        result.update(hf_generate_tokens_per_sec=N / statistics.median(times["hf"]), hf_dtype=c["hf_dtype"],
+                      speedup_vs_hf=median_ratio(times, "hf", "ours"))
+    return result
+
+
+def contexts(c, config):
+    out = [int(x) for x in c["contexts"].split(",") if x.strip()]
+    return [ctx for ctx in out if ctx + 20 <= config.block_size] or [min(10, config.block_size - 21)]
+
+
+def report(results):
+    for kind, r in results.items():
+        print(f"== {kind}")
+        for k, v in r.items():
+            if isinstance(v, float):
+                v = f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+            elif isinstance(v, dict):
+                v = ", ".join(f"{a}: {b:.3f}" for a, b in v.items())
+            elif isinstance(v, list):
+                v = ", ".join(f"{x:.1f}" for x in v)
+            print(f"  {k:<34} {v}")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    what = argv[0] if argv and argv[0] in ("train", "sample", "all") else None
+    values, explicit = parse_or_exit(config_keys(), argv[1:] if what else argv,
+                                     "python bench.py train|sample|all [config_file ...] [--key=value ...]",
+                                     __doc__.strip().splitlines()[0])
+    if what is None:
+        fail("say what to measure first: python bench.py train|sample|all ...")
+    try:
+        if values["compare"] and values["rounds"] < 5:
+            raise ConfigError(f"rounds={values['rounds']}: a comparison needs at least 5 interleaved rounds")
+        if values["threads"] > 0:
+            torch.set_num_threads(values["threads"])
+        device = pick_device(values["device"])
+        dtype = pick_dtype(values["dtype"], torch.device(device).type)
+        results = {"threads": {"torch_threads": torch.get_num_threads()}}
+        if what in ("train", "all"):
+            results["train"] = bench_train(build_model(values, device), values, device, dtype)
+        if what in ("sample", "all"):
+            results["sample"] = bench_sample(build_model(values, device), values, device)
+    except (ConfigError, CheckpointError) as e:
+        fail(e)
+    report(results)
+    if values["json"]:
+        with open(values["json"], "w") as f:
+            json.dump({"config": {k: values[k] for k in BENCH_KEYS + MODEL_KEYS}, "results": results}, f, indent=2)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""bench.py measures what it says (not how fast it is)."""
+
+import json
+
+import pytest
+import torch
+
+import bench
+from model import GPT, GPTConfig
+
+SHAPE = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64", "--vocab_size=61", "--device=cpu"]
+
+
+def test_interleave_alternates_and_ratios_are_per_round():
+    calls = []
+    times = bench.interleave({"a": lambda: calls.append("a") or 1.0, "b": lambda: calls.append("b") or 3.0}, 5)
+    assert calls == ["a", "b"] * 5
+    assert bench.median_ratio(times, "b", "a") == 3.0
+    times = {"a": [1.0, 2.0, 4.0], "b": [2.0, 2.0, 2.0]}
+    assert bench.median_ratio(times, "b", "a") == 1.0  # median of 2, 1, 0.5
+
+
+def test_train_figures_are_consistent(tmp_path):
+    out = tmp_path / "r.json"
+    results = bench.main(["train", *SHAPE, "--rounds=2", "--steps=1", "--warmup=1", "--batch_size=4",
+                          "--dtype=float32", f"--json={out}"])
+    r = results["train"]
+    assert r["tokens_per_sec"] == pytest.approx(4 * 64 / (r["ms_per_step"] / 1000))
+    assert r["ms_per_step"] == pytest.approx(sorted(r["rounds_ms"])[len(r["rounds_ms"]) // 2] if len(r["rounds_ms"]) % 2
+                                             else sum(sorted(r["rounds_ms"])[:2]) / 2)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=61))
+    assert r["flops_per_token"] == model.flops_per_token(64)
+    assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_sec"] / r["peak_flops"])
+    assert r["peak_source"] == "measured matmul" and r["peak_rss_mb"] > 0
+    saved = json.loads(out.read_text())
+    assert saved["results"]["train"]["ms_per_step"] == r["ms_per_step"] and saved["config"]["n_layer"] == 2
+
+
+def test_matmul_peak_counts_two_flops_per_multiply_add(monkeypatch):
+    monkeypatch.setattr(bench, "seconds", lambda fn, device: 0.5)
+    assert bench.matmul_peak(torch.float32, "cpu", n=64) == 2 * 64**3 / 0.5
+    assert bench.copy_bandwidth("cpu", n_bytes=1 << 20) == 2 * (1 << 20) / 0.5
+
+
+def test_hf_twin_is_the_same_model():
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=61)).eval()
+    twin = bench.hf_twin(model, "float32").eval()
+    idx = torch.randint(0, 61, (2, 16))
+    with torch.no_grad():
+        assert (model(idx)[0] - twin(idx).logits).abs().max() < 1e-4
+
+
+@pytest.mark.slow
+def test_compare_and_sample_figures(tmp_path):
+    pytest.importorskip("transformers")
+    results = bench.main(["all", *SHAPE, "--rounds=5", "--steps=1", "--warmup=1", "--batch_size=2", "--prompt_len=8",
+                          "--new_tokens=8", "--contexts=4,30", "--compare=hf", "--dtype=float32"])
+    t, s = results["train"], results["sample"]
+    assert t["speedup_vs_hf"] > 0 and len(t["hf_rounds_ms"]) == len(t["rounds_ms"]) == 5
+    assert s["weight_bytes"] == sum(p.numel() for p in GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64,
+                                                                      vocab_size=61)).parameters()) * 4
+    assert s["roofline_tokens_per_sec"] == pytest.approx(s["copy_bandwidth_gb_s"] * 1e9 / s["weight_bytes"])
+    assert s["fraction_of_roofline"] == pytest.approx(s["decode_tokens_per_sec"] / s["roofline_tokens_per_sec"])
+    assert set(s["decode_ms_per_token_at_context"]) == {4, 30} and s["speedup_vs_hf"] > 0
+
+
+def test_bf16_weights_halve_the_bytes():
+    results = bench.main(["sample", *SHAPE, "--rounds=1", "--warmup=0", "--prompt_len=8", "--new_tokens=4",
+                          "--contexts=4", "--weights_dtype=bfloat16"])
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=61))
+    assert results["sample"]["weight_bytes"] == 2 * sum(p.numel() for p in model.parameters())
+
+
+def test_bad_requests(capsys):
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["train", *SHAPE, "--compare=hf", "--rounds=3"])
+    assert exit.value.code == 2 and "needs at least 5 interleaved rounds" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["sample", *SHAPE, "--prompt_len=60", "--new_tokens=10"])
+    assert exit.value.code == 2 and "exceeds block_size=64" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        bench.main(["--n_layer=2"])
+    assert exit.value.code == 2 and "train|sample|all" in capsys.readouterr().err
