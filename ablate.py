@@ -1,0 +1,210 @@
+"""
+Runs an ablation study: every variant x seed of a study file, through the same code path as train.py,
+then a results table and loss curves.
+
+  python ablate.py config/ablations/positions.py [--out_dir=DIR] [--wandb_log=True]
+  python ablate.py --help
+
+A study file is a Python file that assigns:
+  base     = {...}   training and model keys shared by every variant (the budget: max_iters, or tokens)
+  variants = {"name": {...}, ...}   each variant's keys on top of base
+  seeds    = [1, 2]
+  tokens   = 2_000_000   (optional) a token budget instead of max_iters: each variant then runs
+                         tokens // (batch_size * block_size * gradient_accumulation_steps) steps
+Every variant's keys are checked before anything trains. A finished run is not run again; an interrupted
+one resumes. Results: out_dir/results.md and out_dir/loss_curves.png (needs matplotlib).
+"""
+
+import json
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+
+from checkpoint import CheckpointError, load_checkpoint
+from configurator import ConfigError, fail, keys_of, parse_dict, parse_or_exit, read_config_file
+from dataset import DataError
+from model import GPTConfig
+import train
+
+
+@dataclass
+class AblateConfig:
+    out_dir: str = ""  # where runs and results go; default: out-ablations/<study file name>
+    wandb_log: bool = False  # log every run to Weights & Biases (one group per study)
+    wandb_project: str = "smallgpt-ablations"
+
+
+STUDY_KEYS = ("base", "variants", "seeds", "tokens", "title", "notes")
+
+
+def load_study(path):
+    """(runs, study) where runs is [(variant, seed, values, explicit)], every one checked."""
+    try:
+        study = read_config_file(path)
+    except ConfigError as e:
+        fail(e)
+    unknown = set(study) - set(STUDY_KEYS)
+    if unknown:
+        fail(f"{path}: unknown study keys {sorted(unknown)}; a study assigns {', '.join(STUDY_KEYS)}")
+    if not isinstance(study.get("variants"), dict) or not study["variants"]:
+        fail(f"{path}: variants must be a non-empty dict of name -> keys")
+    seeds = study.get("seeds", [1337])
+    keys = train.config_keys()
+    runs = []
+    for name, overrides in study["variants"].items():
+        try:  # unknown keys and wrong types, with the closest names
+            checked, explicit = parse_dict(keys, {**study.get("base", {}), **overrides}, f"variant {name!r}")
+        except ConfigError as e:
+            fail(f"{path}: {e}")
+        if "tokens" in study:
+            per_step = checked["batch_size"] * checked["block_size"] * checked["gradient_accumulation_steps"]
+            checked["max_iters"] = max(1, study["tokens"] // per_step)
+            checked.setdefault("lr_decay_iters", None)
+        try:
+            train.check_config(checked)
+            GPTConfig(**{k: checked[k] for k in train.MODEL_KEYS if k != "vocab_size"})
+        except (ConfigError, ValueError) as e:
+            fail(f"{path}: variant {name!r}: {e}")
+        for seed in seeds:
+            runs.append((name, seed, {**checked, "seed": seed}, explicit | {"seed", "max_iters"}))
+    return runs, study
+
+
+def run_one(values, explicit, out_dir, wandb):
+    """Trains one variant x seed (resuming it if it was interrupted); returns 'done' or 'diverged'."""
+    ckpt_path = os.path.join(out_dir, train.CHECKPOINT)
+    marker = os.path.join(out_dir, "diverged")
+    if os.path.exists(marker):
+        return "diverged"
+    if os.path.exists(ckpt_path):
+        if load_checkpoint(ckpt_path)["iter_num"] >= values["max_iters"]:
+            return "done"
+        values = {**values, "init_from": "resume"}
+    values = {**values, "out_dir": out_dir, "overwrite": True, **wandb}
+    try:
+        train.train(values, explicit | {"out_dir", "init_from", "overwrite"} | set(wandb))
+    except train.NonFinite as e:
+        with open(marker, "w") as f:
+            f.write(str(e) + "\n")
+        return "diverged"
+    return "done"
+
+
+def summarize(runs, root):
+    """Per variant: parameters, final and best val loss (mean, std over seeds), tokens/s, diverged."""
+    rows = {}
+    for name, seed, values, _ in runs:
+        out_dir = os.path.join(root, name, f"seed{seed}")
+        records = read_records(out_dir)
+        evals = [r for r in records if "val_loss" in r]
+        steps = [r for r in records if "tokens_per_sec" in r]
+        row = rows.setdefault(name, {"final": [], "best": [], "tps": [], "diverged": 0, "params": None,
+                                     "curves": []})
+        if os.path.exists(os.path.join(out_dir, "diverged")):
+            row["diverged"] += 1
+        elif evals:
+            row["final"].append(evals[-1]["val_loss"])
+            row["best"].append(min(r["val_loss"] for r in evals))
+        if steps:
+            row["tps"].append(statistics.median(r["tokens_per_sec"] for r in steps))
+        tokens_per_step = values["batch_size"] * values["block_size"] * values["gradient_accumulation_steps"]
+        row["curves"].append([(r["iter"] * tokens_per_step, r["val_loss"]) for r in evals])
+        ckpt = os.path.join(out_dir, train.CHECKPOINT)
+        if row["params"] is None and os.path.exists(ckpt):
+            state = load_checkpoint(ckpt)
+            row["params"] = sum(t.numel() for k, t in state["model"].items()
+                                if not (k == "lm_head.weight" and state["model_config"]["tie_embeddings"]))
+    return rows
+
+
+def read_records(out_dir):
+    path = os.path.join(out_dir, train.METRICS)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def mean_std(values):
+    if not values:
+        return "-"
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
+
+
+def write_results(rows, root, study, path, n_seeds):
+    lines = [f"# {study.get('title', os.path.basename(path))}", "",
+             f"`python ablate.py {path}`: {n_seeds} seed(s) per variant; val loss as mean ± std over seeds.", "",
+             "| variant | parameters | final val loss | best val loss | tokens/s | diverged |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, row in rows.items():
+        tps = f"{statistics.mean(row['tps']):,.0f}" if row["tps"] else "-"
+        diverged = f"yes ({row['diverged']}/{n_seeds})" if row["diverged"] else "no"
+        params = f"{row['params']:,}" if row["params"] else "-"
+        lines.append(f"| {name} | {params} | {mean_std(row['final'])} | {mean_std(row['best'])} | {tps} | {diverged} |")
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(root, "results.md"), "w") as f:
+        f.write(text)
+    return text
+
+
+def plot(rows, root, title):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipped loss_curves.png (pip install matplotlib)")
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    for name, row in rows.items():
+        curves = [c for c in row["curves"] if c]
+        if not curves:
+            continue
+        n = min(len(c) for c in curves)  # mean over seeds at the evaluations they share
+        xs = [curves[0][i][0] for i in range(n)]
+        ys = [statistics.mean(c[i][1] for c in curves) for i in range(n)]
+        ax.plot(xs[1:], ys[1:], label=name)  # from the first evaluation after step 0
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("val loss (mean over seeds)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = os.path.join(root, "loss_curves.png")
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    files = [a for a in argv if not a.startswith("-")]
+    options = [a for a in argv if a.startswith("-")]
+    c, _ = parse_or_exit(keys_of(AblateConfig), options, "python ablate.py STUDY_FILE [--key=value ...]",
+                         __doc__.strip().splitlines()[0])
+    if len(files) != 1:
+        fail("give exactly one study file, e.g. python ablate.py config/ablations/positions.py")
+    path = files[0]
+    runs, study = load_study(path)
+    name = os.path.splitext(os.path.basename(path))[0]
+    root = c["out_dir"] or os.path.join("out-ablations", name)
+    for i, (variant, seed, values, explicit) in enumerate(runs):
+        wandb = {"wandb_log": True, "wandb_project": c["wandb_project"],
+                 "wandb_run_name": f"{name}/{variant}/seed{seed}"} if c["wandb_log"] else {}
+        print(f"[{i + 1}/{len(runs)}] {variant} seed {seed}", flush=True)
+        try:
+            status = run_one(values, explicit, os.path.join(root, variant, f"seed{seed}"), wandb)
+        except (ConfigError, DataError, CheckpointError) as e:
+            fail(f"variant {variant!r} seed {seed}: {e}")
+        print(f"[{i + 1}/{len(runs)}] {variant} seed {seed}: {status}", flush=True)
+    rows = summarize(runs, root)
+    print(write_results(rows, root, study, path, len(study.get("seeds", [1337]))))
+    plot(rows, root, study.get("title", name))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+import pytest
+
+import ablate
+from conftest import read_metrics
+
+STUDY = """
+title = "tiny"
+base = dict(dataset={dataset!r}, n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, max_iters=6,
+            warmup_iters=1, learning_rate=3e-3, eval_interval=3, eval_iters=2, log_interval=3, dtype="float32",
+            device="cpu")
+variants = {{"learned": dict(pos_emb="learned"), "rope": dict(pos_emb="rope", norm="rmsnorm")}}
+seeds = [1, 2]
+"""
+
+
+def write_study(tmp_path, dataset, text=STUDY):
+    path = tmp_path / "study.py"
+    path.write_text(text.format(dataset=dataset))
+    return str(path)
+
+
+def test_runs_every_variant_and_seed_then_tables(tmp_path, char_dataset, capsys):
+    study = write_study(tmp_path, char_dataset)
+    ablate.main([study, f"--out_dir={tmp_path / 'out'}"])
+    table = (tmp_path / "out" / "results.md").read_text()
+    rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| variant")
+            and not line.startswith("| ---")]
+    assert [r.split(" | ")[0] for r in rows] == ["| learned", "| rope"]
+    assert all("±" in r and r.endswith("| no |") for r in rows)
+    for variant in ("learned", "rope"):
+        for seed in (1, 2):
+            assert [r["iter"] for r in read_metrics(tmp_path / "out" / variant / f"seed{seed}") if "val_loss" in r] == [0, 3, 6]
+    # the two seeds differ, so the std is real
+    a = read_metrics(tmp_path / "out" / "rope" / "seed1")[-1]["val_loss"]
+    b = read_metrics(tmp_path / "out" / "rope" / "seed2")[-1]["val_loss"]
+    assert a != b
+    capsys.readouterr()
+    ablate.main([study, f"--out_dir={tmp_path / 'out'}"])  # again: nothing is retrained
+    out = capsys.readouterr().out
+    assert out.count(": done") == 4 and "eval 0" not in out and "iter 0" not in out
+
+
+def test_typo_fails_before_any_training(tmp_path, char_dataset, capsys):
+    bad = STUDY.replace('"rope": dict(pos_emb="rope", norm="rmsnorm")', '"rope": dict(pos_emb="rope", nrom="rmsnorm")')
+    study = write_study(tmp_path, char_dataset, bad)
+    with pytest.raises(SystemExit) as exit:
+        ablate.main([study, f"--out_dir={tmp_path / 'out'}"])
+    assert exit.value.code == 2
+    assert "variant 'rope': unknown key 'nrom'; did you mean norm" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_invalid_value_fails_before_any_training(tmp_path, char_dataset, capsys):
+    bad = STUDY.replace('dict(pos_emb="learned")', 'dict(pos_emb="learned", n_embd=15)')
+    with pytest.raises(SystemExit) as exit:
+        ablate.main([write_study(tmp_path, char_dataset, bad), f"--out_dir={tmp_path / 'out'}"])
+    assert exit.value.code == 2 and "n_embd=15 must be divisible by n_head=2" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_token_budget_sets_steps(tmp_path, char_dataset):
+    text = STUDY.replace("max_iters=6,", "") + "tokens = 4 * 16 * 5\n"
+    runs, _ = ablate.load_study(write_study(tmp_path, char_dataset, text))
+    assert {values["max_iters"] for _, _, values, _ in runs} == {5}
+
+
+def test_diverged_variant_is_reported(tmp_path, char_dataset):
+    text = STUDY.replace('"learned": dict(pos_emb="learned")',
+                         '"learned": dict(pos_emb="learned", learning_rate=1e30, min_lr=1e30, grad_clip=0.0)')
+    ablate.main([write_study(tmp_path, char_dataset, text), f"--out_dir={tmp_path / 'out'}"])
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "| learned |" in table and "yes (2/2)" in table
