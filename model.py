@@ -396,8 +396,8 @@ class KVCache:
     def update(self, layer, k, v):
         if self.k is None:
             B, H, _, D = k.shape
-            self.k = k.new_zeros(self.n_layer, B, H, self.max_len, D)
-            self.v = v.new_zeros(self.n_layer, B, H, self.max_len, D)
+            self.k = k.new_empty(self.n_layer, B, H, self.max_len, D)  # only written positions are read
+            self.v = v.new_empty(self.n_layer, B, H, self.max_len, D)
         end = self.length + k.size(2)
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; writing up to {end}")
@@ -520,7 +520,7 @@ class GPT(nn.Module):
             kv_cache.length += T
         return self.norm_f(x)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(
         self,
         idx,
@@ -549,7 +549,7 @@ class GPT(nn.Module):
         columns = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, use_cache, generator))
         return torch.cat([idx, *columns], dim=1)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, eos_token_id=None,
                use_cache=True, generator=None):
         """generate() one step at a time: yields each new (B, 1) column of tokens as soon as it exists."""

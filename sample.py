@@ -39,7 +39,6 @@ class SampleConfig:
     seed: int = 1337  # sample i uses seed + i
     device: str = "auto"  # auto | cpu | cuda | mps
     dtype: str = "float32"  # weights' dtype for inference: float32 | bfloat16 | float16
-    compile: bool = False  # torch.compile the model first (pays off only for long generations)
     stream: bool = False  # print text as tokens arrive (needs num_samples=1)
     stop: Optional[str] = None  # end each sample before this string; <|endoftext|> = the end-of-text token
 
@@ -188,8 +187,6 @@ def main(argv=None):
         device = pick_device(c["device"])
         model, tokenizer = load_model(c["init_from"], c["out_dir"])
         model.eval().to(device=device, dtype=getattr(torch, c["dtype"]))
-        if c["compile"]:  # generate() calls hidden_states; the cache length changes every step
-            model.hidden_states = torch.compile(model.hidden_states, dynamic=True)
         prompt = read_prompt(c["start"])
         if c["stream"]:
             stream_text(model, tokenizer, prompt, c, device, lambda s: print(s, end="", flush=True))

@@ -23,5 +23,5 @@ optimizer = "muon"
 learning_rate = 1e-2
 min_lr = 1e-3
 warmup_iters = 20
-max_iters = 4500
+max_iters = 4000
 beta2 = 0.99

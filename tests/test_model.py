@@ -297,3 +297,22 @@ def test_estimate_mfu():
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert flops == 6 * matmul + 12 * 2 * 32 * 32
     assert model.estimate_mfu(1000.0, 32, peak_flops=flops * 2000.0) == pytest.approx(0.5)
+
+
+def test_recorded_attention_logit_is_the_largest_causal_score():
+    from model import recording_max_attention_logit
+
+    model = build(n_layer=1, pos_emb="rope")
+    idx = torch.randint(0, 61, (2, 12))
+    with recording_max_attention_logit(model) as found:
+        logits = model(idx)[0]
+    assert torch.equal(logits, model(idx)[0])  # recording changes nothing
+    attn = model.blocks[0].attn
+    x = model.blocks[0].norm1(model.positions.embed(model.tok_emb(idx), 0))
+    q, k, _ = attn.qkv(x).split(32, dim=-1)
+    q, k = (t.view(2, 12, 4, 8).transpose(1, 2) for t in (q, k))
+    q, k = model.positions.rotate(q, k, 0)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(8)
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    assert len(found) == 1 and found[0].item() == pytest.approx(scores[..., causal].max().item(), rel=1e-5)
+    assert attn.attend.__name__ == "attention_sdpa"  # restored afterwards
