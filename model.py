@@ -520,7 +520,7 @@ class GPT(nn.Module):
             kv_cache.length += T
         return self.norm_f(x)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def generate(
         self,
         idx,
@@ -549,7 +549,7 @@ class GPT(nn.Module):
         columns = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, use_cache, generator))
         return torch.cat([idx, *columns], dim=1)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, eos_token_id=None,
                use_cache=True, generator=None):
         """generate() one step at a time: yields each new (B, 1) column of tokens as soon as it exists."""
