@@ -132,10 +132,17 @@ def cut_at_stop(text, stop):
     return text if at < 0 else text[:at]
 
 
-def decode(tokenizer, ids, stop):
+def continuation(tokenizer, prompt_ids, ids):
+    """The text ids add after the prompt. Decoded together with the prompt, because tokenizers that
+    mark word starts (SentencePiece's "▁", word-level ones) drop the space a continuation starts with."""
+    prefix, full = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + ids)
+    return full[len(prefix) :] if full.startswith(prefix) else tokenizer.decode(ids)
+
+
+def decode(tokenizer, prompt_ids, ids, stop):
     if stop == END_OF_TEXT and tokenizer.eot_token in ids:
         ids = ids[: ids.index(tokenizer.eot_token)]
-    return cut_at_stop(tokenizer.decode(ids), stop)
+    return cut_at_stop(continuation(tokenizer, prompt_ids, ids), stop)
 
 
 def generate_texts(model, tokenizer, prompt, c, device):
@@ -145,7 +152,7 @@ def generate_texts(model, tokenizer, prompt, c, device):
     generators = [torch.Generator(device=device).manual_seed(c["seed"] + i) for i in range(c["num_samples"])]
     out = model.generate(idx, c["max_new_tokens"], c["temperature"], c["top_k"], c["top_p"],
                          eos_token_id=stop_token(tokenizer, c["stop"]), generator=generators)
-    return [decode(tokenizer, row[len(ids) :].tolist(), c["stop"]) for row in out]
+    return [decode(tokenizer, ids, row[len(ids) :].tolist(), c["stop"]) for row in out]
 
 
 def stream_text(model, tokenizer, prompt, c, device, write):
@@ -160,8 +167,8 @@ def stream_text(model, tokenizer, prompt, c, device, write):
     for column in model.stream(idx, c["max_new_tokens"], c["temperature"], c["top_k"], c["top_p"],
                                eos_token_id=stop_token(tokenizer, stop), generator=generator):
         new.append(int(column[0, 0]))
-        text = decode(tokenizer, new, stop)
-        ended = len(text) < len(tokenizer.decode(new))  # the stop string (or token) has appeared
+        text = decode(tokenizer, ids, new, stop)
+        ended = len(text) < len(continuation(tokenizer, ids, new))  # the stop string (or token) has appeared
         ready = text if ended else text[: len(text) - hold]
         if ready.endswith("\ufffd") and not ended:
             continue

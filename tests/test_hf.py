@@ -136,3 +136,26 @@ def test_unsupported_model_type(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
     with pytest.raises(ValueError, match="model_type 'mistral' is not supported; supported: gpt2, llama"):
         GPT.from_pretrained(str(tmp_path))
+
+
+def test_export_of_a_trained_checkpoint(tmp_path, trained_run, idx):
+    import export
+    from checkpoint import load_checkpoint, model_from_checkpoint
+
+    export.main([f"--out_dir={trained_run}", f"--hf_dir={tmp_path / 'hf'}"])
+    ours = model_from_checkpoint(load_checkpoint(f"{trained_run}/ckpt.pt"), trained_run).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    small = idx % ours.config.vocab_size
+    assert max_logit_diff(ours, theirs, small) <= 1e-4
+
+
+def test_export_refuses_an_inexpressible_model(tmp_path, capsys, char_dataset):
+    import export
+    import train
+    from conftest import TINY_RUN
+
+    train.main([*TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1",
+                "--warmup_iters=0", "--pos_emb=alibi"])
+    with pytest.raises(SystemExit) as exit:
+        export.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}"])
+    assert exit.value.code == 2 and "no Hugging Face equivalent" in capsys.readouterr().err

@@ -95,3 +95,22 @@ def test_missing_checkpoint(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit:
         sample.main([f"--out_dir={tmp_path}"])
     assert exit.value.code == 2 and "no such checkpoint" in capsys.readouterr().err
+
+
+def test_llama_directory_with_its_tokenizer(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    words = ["<eos>"] + sorted(set("the king and queen speak of love and death".split())) + ["[UNK]"]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins words with spaces
+    config = transformers.LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=64, eos_token_id=0, bos_token_id=None)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    sample.main([f"--init_from={tmp_path}", "--start=the king", "--num_samples=1", "--max_new_tokens=8",
+                 "--device=cpu", "--temperature=0"])
+    out = capsys.readouterr().out
+    assert out.startswith("the king ") and out.endswith("---------------\n")  # spaced as after the prompt
+    assert set(out.split("---")[0].split()) <= set(words)

@@ -260,3 +260,15 @@ def test_stability_diagnostics_are_logged(tmp_path, char_dataset):
     evals = [r for r in read_metrics(tmp_path) if "val_loss" in r]
     assert len(evals) == 2 and all(math.isfinite(r["max_attn_logit"]) and math.isfinite(r["mean_log_z"]) for r in evals)
     assert evals[0]["mean_log_z"] == pytest.approx(math.log(48), abs=0.05)  # a fresh model's logits are ~uniform
+
+
+@pytest.mark.slow
+def test_wandb_offline_logs_the_run(tmp_path, char_dataset, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run(tmp_path / "out", char_dataset, "--max_iters=3", "--wandb_log=True", "--wandb_run_name=tiny")
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert read_metrics(tmp_path / "out")  # the local metrics file is written all the same

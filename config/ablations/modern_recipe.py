@@ -7,12 +7,12 @@ base = dict(
     max_iters=800, warmup_iters=50, learning_rate=2e-3, min_lr=2e-4, beta2=0.99, dropout=0.0,
     eval_interval=100, eval_iters=20, log_interval=100,
 )
-gpt2 = dict(pos_emb="learned", norm="layernorm", mlp="gelu", bias=True)
+_gpt2 = dict(pos_emb="learned", norm="layernorm", mlp="gelu", bias=True)  # _: not a study key
 variants = {
-    "gpt2 (learned, LayerNorm, GELU)": gpt2,
-    "+ RoPE": {**gpt2, "pos_emb": "rope"},
-    "+ RMSNorm": {**gpt2, "norm": "rmsnorm"},
-    "+ SwiGLU": {**gpt2, "mlp": "swiglu", "mlp_hidden": 341},
+    "gpt2 (learned, LayerNorm, GELU)": _gpt2,
+    "+ RoPE": {**_gpt2, "pos_emb": "rope"},
+    "+ RMSNorm": {**_gpt2, "norm": "rmsnorm"},
+    "+ SwiGLU": {**_gpt2, "mlp": "swiglu", "mlp_hidden": 341},
     "modern (RoPE, RMSNorm, SwiGLU, no bias)": dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", mlp_hidden=341,
                                                     bias=False),
 }
