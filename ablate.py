@@ -11,6 +11,7 @@ A study file is a Python file that assigns:
   seeds    = [1, 2]
   tokens   = 2_000_000   (optional) a token budget instead of max_iters: each variant then runs
                          tokens // (batch_size * block_size * gradient_accumulation_steps) steps
+  targets  = [1.8, 1.6]  (optional) also tabulate the steps each variant needs to reach these val losses
 Every variant's keys are checked before anything trains. A finished run is not run again; an interrupted
 one resumes. Results: out_dir/results.md and out_dir/loss_curves.png (needs matplotlib).
 """
@@ -35,7 +36,7 @@ class AblateConfig:
     wandb_project: str = "smallgpt-ablations"
 
 
-STUDY_KEYS = ("base", "variants", "seeds", "tokens", "title", "notes")
+STUDY_KEYS = ("base", "variants", "seeds", "tokens", "targets", "title", "notes")
 
 
 def load_study(path):
@@ -100,7 +101,7 @@ def summarize(runs, root):
         evals = [r for r in records if "val_loss" in r]
         steps = [r for r in records if "tokens_per_sec" in r]
         row = rows.setdefault(name, {"final": [], "best": [], "tps": [], "diverged": 0, "params": None,
-                                     "curves": []})
+                                     "curves": [], "evals": []})
         if os.path.exists(os.path.join(out_dir, "diverged")):
             row["diverged"] += 1
         elif evals:
@@ -110,6 +111,7 @@ def summarize(runs, root):
             row["tps"].append(statistics.median(r["tokens_per_sec"] for r in steps))
         tokens_per_step = values["batch_size"] * values["block_size"] * values["gradient_accumulation_steps"]
         row["curves"].append([(r["iter"] * tokens_per_step, r["val_loss"]) for r in evals])
+        row["evals"].append(evals)
         ckpt = os.path.join(out_dir, train.CHECKPOINT)
         if row["params"] is None and os.path.exists(ckpt):
             state = load_checkpoint(ckpt)
@@ -124,6 +126,11 @@ def read_records(out_dir):
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def steps_to_reach(runs, target):
+    steps = [next((r["iter"] for r in evals if r["val_loss"] <= target), None) for evals in runs]
+    return "-" if not steps or None in steps else f"{statistics.median(steps):g}"
 
 
 def mean_std(values):
@@ -144,6 +151,21 @@ def write_results(rows, root, study, path, n_seeds):
         diverged = f"yes ({row['diverged']}/{n_seeds})" if row["diverged"] else "no"
         params = f"{row['params']:,}" if row["params"] else "-"
         lines.append(f"| {name} | {params} | {mean_std(row['final'])} | {mean_std(row['best'])} | {tps} | {diverged} |")
+    if study.get("targets"):
+        lines += ["", "Steps to reach a val loss (median over seeds; - where a seed never got there):", "",
+                  "| variant | " + " | ".join(f"val <= {t:g}" for t in study["targets"]) + " |",
+                  "| --- |" + " --- |" * len(study["targets"])]
+        for name, row in rows.items():
+            cells = [steps_to_reach(row["evals"], t) for t in study["targets"]]
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if any("max_attn_logit" in r for row in rows.values() for run in row["evals"] for r in run):
+        lines += ["", "At the last evaluation (mean over the seeds that did not diverge):", "",
+                  "| variant | largest attention logit | mean output log Z |", "| --- | --- | --- |"]
+        for name, row in rows.items():
+            last = [run[-1] for run in row["evals"] if run and "max_attn_logit" in run[-1]]
+            logit = mean_std([r["max_attn_logit"] for r in last]) if last else "-"
+            log_z = mean_std([r["mean_log_z"] for r in last]) if last else "-"
+            lines.append(f"| {name} | {logit} | {log_z} |")
     text = "\n".join(lines) + "\n"
     with open(os.path.join(root, "results.md"), "w") as f:
         f.write(text)

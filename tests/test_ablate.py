@@ -10,6 +10,7 @@ base = dict(dataset={dataset!r}, n_layer=1, n_head=2, n_embd=16, block_size=16, 
             device="cpu")
 variants = {{"learned": dict(pos_emb="learned"), "rope": dict(pos_emb="rope", norm="rmsnorm")}}
 seeds = [1, 2]
+targets = [4.5, 0.1]
 """
 
 
@@ -25,8 +26,9 @@ def test_runs_every_variant_and_seed_then_tables(tmp_path, char_dataset, capsys)
     table = (tmp_path / "out" / "results.md").read_text()
     rows = [line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| variant")
             and not line.startswith("| ---")]
-    assert [r.split(" | ")[0] for r in rows] == ["| learned", "| rope"]
-    assert all("±" in r and r.endswith("| no |") for r in rows)
+    assert [r.split(" | ")[0] for r in rows] == ["| learned", "| rope", "| learned", "| rope"]
+    assert all("±" in r and r.endswith("| no |") for r in rows[:2])
+    assert "| learned | 0 | - |" in table  # val <= 4.5 from the start; 0.1 never
     for variant in ("learned", "rope"):
         for seed in (1, 2):
             assert [r["iter"] for r in read_metrics(tmp_path / "out" / variant / f"seed{seed}") if "val_loss" in r] == [0, 3, 6]

@@ -14,3 +14,4 @@ variants = {
     "muon lr 1e-2": dict(optimizer="muon", learning_rate=1e-2, min_lr=1e-3),
 }
 seeds = [1, 2]
+targets = [2.0, 1.8, 1.7, 1.6]
