@@ -13,6 +13,7 @@ and the two are timed in alternation (A, B, A, B, ... for --rounds rounds), so l
 both alike; ratios are medians of the per-round ratios.
 """
 
+import copy
 import json
 import os
 import resource
@@ -47,14 +48,14 @@ class BenchConfig:
     prompt_len: int = 512  # sampling: prompt tokens (prefill)
     new_tokens: int = 200  # sampling: generated tokens (greedy)
     contexts: str = "10,100,1000"  # sampling: decode ms per token at these context lengths
-    compare: str = ""  # hf: also measure the same model in transformers
+    compare: str = ""  # hf: also measure the same model in transformers; float32 (train): ours without autocast
     hf_dtype: str = "float32"  # transformers' dtype for --compare=hf (its weights and compute)
     json: str = ""  # also write the results to this JSON file
     seed: int = 0
 
 
 CHOICES = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("auto", "cpu", "cuda", "mps"),
-           "weights_dtype": ("float32", "bfloat16", "float16"), "compare": ("", "hf"),
+           "weights_dtype": ("float32", "bfloat16", "float16"), "compare": ("", "hf", "float32"),
            "hf_dtype": ("float32", "bfloat16"), **MODEL_CHOICES}  # fmt: skip
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 BENCH_KEYS = [f.name for f in fields(BenchConfig)]
@@ -196,6 +197,8 @@ def bench_train(model, c, device, dtype):
     steps = {"ours": OurTrainStep(model, c, device, dtype)}
     if c["compare"] == "hf":
         steps["hf"] = HFTrainStep(hf_twin(model, c["hf_dtype"]))
+    elif c["compare"] == "float32":  # the same model and recipe, autocast off
+        steps["float32"] = OurTrainStep(copy.deepcopy(model), {**c, "compile": False}, device, "float32")
     compile_seconds = seconds(lambda: steps["ours"](x, y), device) if c["compile"] else None
     for step in steps.values():
         for _ in range(c["warmup"]):
@@ -220,6 +223,9 @@ def bench_train(model, c, device, dtype):
     if "hf" in times:
         result.update(hf_ms_per_step=statistics.median(times["hf"]) * 1000, hf_dtype=c["hf_dtype"],
                       hf_rounds_ms=[t * 1000 for t in times["hf"]], speedup_vs_hf=median_ratio(times, "hf", "ours"))
+    if "float32" in times:
+        result.update(float32_ms_per_step=statistics.median(times["float32"]) * 1000,
+                      speedup_vs_float32=median_ratio(times, "float32", "ours"))
     return result
 
 
@@ -256,6 +262,8 @@ def bench_sample(model, c, device):
         "prefill": lambda: model(prompt, kv_cache=KVCache(config.n_layer, config.block_size)),
         "ours": lambda: model.generate(prompt, N, temperature=0),
     }
+    if c["compare"] == "float32":
+        raise ConfigError("compare=float32 is for training; sampling takes weights_dtype instead")
     if twin is not None:
         mask = torch.ones_like(prompt)
         runs["hf"] = lambda: twin.generate(prompt, attention_mask=mask, max_new_tokens=N, min_new_tokens=N,

@@ -83,3 +83,10 @@ def test_bad_requests(capsys):
     with pytest.raises(SystemExit) as exit:
         bench.main(["--n_layer=2"])
     assert exit.value.code == 2 and "train|sample|all" in capsys.readouterr().err
+
+
+def test_float32_comparison_times_the_same_model_without_autocast():
+    results = bench.main(["train", *SHAPE, "--rounds=5", "--steps=1", "--warmup=1", "--batch_size=2",
+                          "--dtype=bfloat16", "--compare=float32"])
+    r = results["train"]
+    assert r["dtype"] == "bfloat16" and r["float32_ms_per_step"] > 0 and r["speedup_vs_float32"] > 0
