@@ -2,10 +2,10 @@
 # (attention-logit growth, output-logit divergence); QK-norm and z-loss widen the stable range.
 # Each evaluation logs the largest attention logit and the mean log Z of the output.
 # python ablate.py config/ablations/stability.py
-title = "Learning-rate sensitivity with and without QK-norm and z-loss (4 x 128, 1.6M tokens)"
+title = "Learning-rate sensitivity with and without QK-norm and z-loss (4 x 128, 1.2M tokens)"
 base = dict(
     dataset="shakespeare_char", n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=32,
-    max_iters=400, warmup_iters=40, beta2=0.95, dropout=0.0, pos_emb="rope", norm="layernorm", mlp="gelu",
+    max_iters=300, warmup_iters=30, beta2=0.95, dropout=0.0, pos_emb="rope", norm="layernorm", mlp="gelu",
     bias=False, eval_interval=50, eval_iters=10, log_interval=50, log_stability=True,
 )
 variants = {}
