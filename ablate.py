@@ -84,11 +84,14 @@ def run_one(values, explicit, out_dir, wandb):
         values = {**values, "init_from": "resume"}
     values = {**values, "out_dir": out_dir, "overwrite": True, **wandb}
     try:
-        train.train(values, explicit | {"out_dir", "init_from", "overwrite"} | set(wandb))
+        result = train.train(values, explicit | {"out_dir", "init_from", "overwrite"} | set(wandb))
     except train.NonFinite as e:
         with open(marker, "w") as f:
             f.write(str(e) + "\n")
         return "diverged"
+    if result["signal"] is not None:  # Ctrl-C or SIGTERM: the run saved a checkpoint; stop the study too
+        print(f"stopped by a signal; run the same command again to continue from {out_dir}")
+        sys.exit(128 + result["signal"])
     return "done"
 
 

@@ -72,3 +72,21 @@ def test_diverged_variant_is_reported(tmp_path, char_dataset):
     ablate.main([write_study(tmp_path, char_dataset, text), f"--out_dir={tmp_path / 'out'}"])
     table = (tmp_path / "out" / "results.md").read_text()
     assert "| learned |" in table and "yes (2/2)" in table
+
+
+def test_a_signal_stops_the_whole_study(tmp_path, char_dataset, monkeypatch, capsys):
+    import signal
+
+    import train
+
+    calls = []
+
+    def interrupted(values, explicit):  # as train.train returns after saving on SIGTERM
+        calls.append(values["seed"])
+        return {"iter": 1, "signal": int(signal.SIGTERM), "best_val_loss": 4.0}
+
+    monkeypatch.setattr(train, "train", interrupted)
+    with pytest.raises(SystemExit) as exit:
+        ablate.main([write_study(tmp_path, char_dataset), f"--out_dir={tmp_path / 'out'}"])
+    assert exit.value.code == 128 + signal.SIGTERM and calls == [1]
+    assert "run the same command again to continue" in capsys.readouterr().out
