@@ -184,7 +184,7 @@ def plot(rows, root, title):
     except ImportError:
         print("matplotlib is not installed: skipped loss_curves.png (pip install matplotlib)")
         return None
-    fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
     for name, row in rows.items():
         curves = [c for c in row["curves"] if c]
         if not curves:
@@ -195,7 +195,7 @@ def plot(rows, root, title):
         ax.plot(xs[1:], ys[1:], label=name)  # from the first evaluation after step 0
     ax.set_xlabel("training tokens")
     ax.set_ylabel("val loss (mean over seeds)")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
