@@ -184,20 +184,21 @@ def plot(rows, root, title):
     except ImportError:
         print("matplotlib is not installed: skipped loss_curves.png (pip install matplotlib)")
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=100)
-    for name, row in rows.items():
+    fig, ax = plt.subplots(figsize=(8.5, 4.2), dpi=100)
+    for i, (name, row) in enumerate(rows.items()):
         curves = [c for c in row["curves"] if c]
         if not curves:
             continue
         n = min(len(c) for c in curves)  # mean over seeds at the evaluations they share
         xs = [curves[0][i][0] for i in range(n)]
         ys = [statistics.mean(c[i][1] for c in curves) for i in range(n)]
-        ax.plot(xs[1:], ys[1:], label=name)  # from the first evaluation after step 0
+        # from the first evaluation after step 0; past the 10 default colours, the line style tells apart
+        ax.plot(xs[1:], ys[1:], label=name, linestyle=("-", "--", ":")[i // 10 % 3])
     ax.set_xlabel("training tokens")
     ax.set_ylabel("val loss (mean over seeds)")
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, never over a curve
     fig.tight_layout()
     path = os.path.join(root, "loss_curves.png")
     fig.savefig(path)
