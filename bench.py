@@ -229,23 +229,26 @@ def bench_train(model, c, device, dtype):
     return result
 
 
-def decode_ms_per_token(model, context, device, n=20):
-    """ms per decode step with `context` tokens already cached (the cache as generate() uses it)."""
+def decode_step_timer(model, context, device, n=20):
+    """fn() -> seconds per decode step with `context` tokens cached (the cache as generate() uses it).
+    Each call rewinds the cache to `context` first, so every call times the same n positions."""
     config = model.config
     if context + n > config.block_size:
         raise ConfigError(f"contexts: {context} + {n} steps exceeds block_size={config.block_size}")
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(config.vocab_size, (1, context), generator=g).to(device)
     token = prompt[:, -1:]
+    cache = KVCache(config.n_layer, config.block_size)
     with torch.no_grad():
-        cache = KVCache(config.n_layer, config.block_size)
         model(prompt, kv_cache=cache)
 
-        def steps():
-            for _ in range(n):
-                model.lm_head(model.hidden_states(token, cache)[:, -1]).argmax(-1)
+    @torch.no_grad()
+    def steps():
+        cache.length = context  # the positions after it are overwritten, as on the first call
+        for _ in range(n):
+            model.lm_head(model.hidden_states(token, cache)[:, -1]).argmax(-1)
 
-        return seconds(steps, device) / n * 1000
+    return lambda: seconds(steps, device) / n
 
 
 def bench_sample(model, c, device):
@@ -283,13 +286,23 @@ def bench_sample(model, c, device):
         "generate_tokens_per_sec": N / total, "weight_bytes": weight_bytes, "copy_bandwidth_gb_s": bandwidth / 1e9,
         "roofline_tokens_per_sec": bandwidth / weight_bytes,
         "fraction_of_roofline": (1 / decode_per_token) / (bandwidth / weight_bytes),
-        "decode_ms_per_token_at_context": {ctx: decode_ms_per_token(model, ctx, device) for ctx in contexts(c, config)},
-        **peak_memory(device),
+        **decode_by_context(model, c, device), **peak_memory(device),
     }  # fmt: skip
     if "hf" in times:
         result.update(hf_generate_tokens_per_sec=N / statistics.median(times["hf"]), hf_dtype=c["hf_dtype"],
                       speedup_vs_hf=median_ratio(times, "hf", "ours"))
     return result
+
+
+def decode_by_context(model, c, device):
+    """Decode ms per token at each context length, the lengths interleaved round by round, and the
+    median ratio of the longest context's time to the shortest's."""
+    lengths = contexts(c, model.config)
+    times = interleave({ctx: decode_step_timer(model, ctx, device) for ctx in lengths}, c["rounds"])
+    return {
+        "decode_ms_per_token_at_context": {ctx: statistics.median(t) * 1000 for ctx, t in times.items()},
+        "decode_longest_vs_shortest_context": median_ratio(times, max(lengths), min(lengths)),
+    }
 
 
 def contexts(c, config):

@@ -42,6 +42,22 @@ def test_matmul_peak_counts_two_flops_per_multiply_add(monkeypatch):
     assert bench.copy_bandwidth("cpu", n_bytes=1 << 20) == 2 * (1 << 20) / 0.5
 
 
+def test_decode_timer_times_the_same_positions_after_its_context(monkeypatch):
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=61)).eval()
+    timer = bench.decode_step_timer(model, 10, "cpu", n=3)
+    starts, hidden_states = [], model.hidden_states
+
+    def recording(idx, kv_cache=None):
+        starts.append((idx.shape, kv_cache.length))
+        return hidden_states(idx, kv_cache)
+
+    monkeypatch.setattr(model, "hidden_states", recording)
+    assert timer() > 0 and timer() > 0
+    assert starts == [((1, 1), 10), ((1, 1), 11), ((1, 1), 12)] * 2  # one token at a time, rewound each call
+    with pytest.raises(bench.ConfigError, match="exceeds block_size"):
+        bench.decode_step_timer(model, 62, "cpu", n=3)
+
+
 def test_hf_twin_is_the_same_model():
     transformers = pytest.importorskip("transformers")  # noqa: F841
     torch.manual_seed(0)
@@ -64,6 +80,7 @@ def test_compare_and_sample_figures(tmp_path):
     assert s["roofline_tokens_per_sec"] == pytest.approx(s["copy_bandwidth_gb_s"] * 1e9 / s["weight_bytes"])
     assert s["fraction_of_roofline"] == pytest.approx(s["decode_tokens_per_sec"] / s["roofline_tokens_per_sec"])
     assert set(s["decode_ms_per_token_at_context"]) == {4, 30} and s["speedup_vs_hf"] > 0
+    assert s["decode_longest_vs_shortest_context"] > 0
 
 
 def test_bf16_weights_halve_the_bytes():
