@@ -293,6 +293,7 @@ def test_interrupted_shard_run_resumes_without_duplicates(tmp_path):
 
 
 def test_hub_names_fail_fast_offline(tmp_path):
+    gpt2_tokenizer()  # the script loads its tokenizer before the source, so a missing one would fail first
     started = time.monotonic()
     result = run_script("data/fineweb/prepare.py", f"--out_dir={tmp_path / 'out'}", f"--cache_dir={tmp_path / 'c'}",
                         env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}, timeout=120)
