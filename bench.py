@@ -29,7 +29,7 @@ import torch
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, fail, keys_of, parse_or_exit
 from model import CHOICES as MODEL_CHOICES
-from model import GPT, GPTConfig, KVCache, cuda_peak_flops, lm_loss
+from model import GPT, GPTConfig, Int8Linear, KVCache, cuda_peak_flops, lm_loss, quantize_int8
 from train import CHECKPOINT, pick_device, pick_dtype
 
 
@@ -38,7 +38,7 @@ class BenchConfig:
     out_dir: str = ""  # benchmark the model in out_dir/ckpt.pt; empty = a random model of the shape keys below
     batch_size: int = 12  # training batch
     dtype: str = "auto"  # training autocast: auto | float32 | bfloat16 | float16 (auto as in train.py)
-    weights_dtype: str = "float32"  # sampling: the weights' dtype (bfloat16 halves the bytes read per token)
+    weights_dtype: str = "float32"  # sampling: float32 | bfloat16 | float16 | int8 (CPU; quantised weights)
     device: str = "auto"  # auto | cpu | cuda | mps
     compile: bool = False  # torch.compile our training step's model (compile time reported apart)
     threads: int = 0  # torch.set_num_threads; 0 = PyTorch's default
@@ -55,7 +55,7 @@ class BenchConfig:
 
 
 CHOICES = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("auto", "cpu", "cuda", "mps"),
-           "weights_dtype": ("float32", "bfloat16", "float16"), "compare": ("", "hf", "float32"),
+           "weights_dtype": ("float32", "bfloat16", "float16", "int8"), "compare": ("", "hf", "float32"),
            "hf_dtype": ("float32", "bfloat16"), **MODEL_CHOICES}  # fmt: skip
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 BENCH_KEYS = [f.name for f in fields(BenchConfig)]
@@ -251,10 +251,27 @@ def decode_step_timer(model, context, device, n=20):
     return lambda: seconds(steps, device) / n
 
 
+def bytes_read_per_token(model):
+    """Bytes of the weights a decode step reads in full: every parameter (and int8 weight with its
+    scales) except embedding tables, of which a step reads one row; a tied head counts, as the head."""
+    sizes = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Embedding):
+            continue
+        tensors = [*module.parameters(recurse=False)]
+        if isinstance(module, Int8Linear):
+            tensors += [t for t in module.buffers(recurse=False) if t is not None]
+        sizes.update({id(t): t.numel() * t.element_size() for t in tensors})
+    return sum(sizes.values())
+
+
 def bench_sample(model, c, device):
     config = model.config
     twin = hf_twin(model.eval(), c["hf_dtype"]).eval() if c["compare"] == "hf" else None  # from fp32 weights
-    model = model.eval().to(dtype=getattr(torch, c["weights_dtype"]))
+    try:
+        model = quantize_int8(model) if c["weights_dtype"] == "int8" else model.eval().to(dtype=getattr(torch, c["weights_dtype"]))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     P, N = c["prompt_len"], c["new_tokens"]
     if P + N > config.block_size:
         raise ConfigError(f"prompt_len + new_tokens = {P + N} exceeds block_size={config.block_size}; "
@@ -277,7 +294,7 @@ def bench_sample(model, c, device):
                 run()
         times = interleave({name: (lambda run=run: seconds(run, device)) for name, run in runs.items()}, c["rounds"])
     prefill, total = statistics.median(times["prefill"]), statistics.median(times["ours"])
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes = bytes_read_per_token(model)
     bandwidth = copy_bandwidth(device)
     decode_per_token = (total - prefill) / N
     result = {

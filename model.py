@@ -11,9 +11,10 @@ Features (each chosen once, in GPTConfig):
 - generate(): prefill once, then one token per step with a preallocated KV cache;
   temperature, top-k, top-p, stop token, one generator per row
 - Hugging Face GPT-2 and Llama-architecture weights in (from_pretrained) and out (save_pretrained)
+- int8 weight-only quantisation for CPU inference (quantize_int8)
 
 Reads top to bottom: norms, positions, attention, MLPs, block, config, KV cache, sampling, model,
-Hugging Face interop.
+int8 weights, Hugging Face interop.
 """
 
 import json
@@ -696,6 +697,51 @@ CUDA_PEAK_FLOPS = [
 def cuda_peak_flops(device):
     name = torch.cuda.get_device_name(device)
     return next((peak for key, peak in CUDA_PEAK_FLOPS if key in name), None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# int8 weights for CPU inference. Decoding one token reads every weight once, so its speed is the
+# bytes per weight; torch's bf16 matrix-vector product is slow on CPUs, its int8 weight-only one is not.
+
+
+class Int8Linear(nn.Module):
+    """A Linear for inference with its weight stored as int8 and one bf16 scale per output row
+    (symmetric, per-channel, weight-only quantisation: each weight is off by at most half a step,
+    max|row|/254, plus the scale's bf16 rounding). Activations run in bf16; the result comes back in
+    the input's dtype."""
+
+    DECODE_ROWS = 16  # up to this many rows, the int8 kernel; above (a prefill), a dequantised bf16 matmul
+
+    def __init__(self, linear):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.register_buffer("weight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+        self.register_buffer("bias", bias)
+
+    def forward(self, x):
+        rows = x.reshape(-1, x.size(-1)).to(torch.bfloat16)
+        if rows.size(0) <= self.DECODE_ROWS:
+            y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scale)
+        else:  # the int8 kernel is several times slower than AMX bf16 on hundreds of rows
+            y = F.linear(rows, self.weight.to(torch.bfloat16) * self.scale[:, None])
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def quantize_int8(model):
+    """Replaces every Linear (the blocks' and the LM head) by an Int8Linear, in place; the token
+    embedding stays as it is (a lookup reads one row). For inference on CPU; returns the model."""
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("int8 weights are for CPU inference (torch's int8 weight-only kernel); use bfloat16 on GPUs")
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8Linear(child))
+    return model.eval()
 
 
 # ----------------------------------------------------------------------------------------------------

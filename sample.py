@@ -20,7 +20,7 @@ import torch
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, fail, keys_of, parse_or_exit
 from dataset import DataError, TiktokenTokenizer, tokenizer_from_meta
-from model import GPT, check_sampling_args
+from model import GPT, check_sampling_args, quantize_int8
 from train import CHECKPOINT, pick_device
 
 END_OF_TEXT = "<|endoftext|>"
@@ -38,12 +38,12 @@ class SampleConfig:
     top_p: Optional[float] = None  # sample from the smallest set of tokens whose probability reaches p; None = off
     seed: int = 1337  # sample i uses seed + i
     device: str = "auto"  # auto | cpu | cuda | mps
-    dtype: str = "float32"  # weights' dtype for inference: float32 | bfloat16 | float16
+    dtype: str = "float32"  # weights for inference: float32 | bfloat16 | float16 | int8 (CPU; quantised, see README)
     stream: bool = False  # print text as tokens arrive (needs num_samples=1)
     stop: Optional[str] = None  # end each sample before this string; <|endoftext|> = the end-of-text token
 
 
-CHOICES = {"device": ("auto", "cpu", "cuda", "mps"), "dtype": ("float32", "bfloat16", "float16")}
+CHOICES = {"device": ("auto", "cpu", "cuda", "mps"), "dtype": ("float32", "bfloat16", "float16", "int8")}
 
 
 def load_model(init_from, out_dir):
@@ -193,7 +193,8 @@ def main(argv=None):
             raise ConfigError("stream=True prints one sample as it arrives: set num_samples=1")
         device = pick_device(c["device"])
         model, tokenizer = load_model(c["init_from"], c["out_dir"])
-        model.eval().to(device=device, dtype=getattr(torch, c["dtype"]))
+        model.eval().to(device=device)
+        model = quantize_int8(model) if c["dtype"] == "int8" else model.to(dtype=getattr(torch, c["dtype"]))
         prompt = read_prompt(c["start"])
         if c["stream"]:
             stream_text(model, tokenizer, prompt, c, device, lambda s: print(s, end="", flush=True))

@@ -75,19 +75,27 @@ def test_compare_and_sample_figures(tmp_path):
                           "--new_tokens=8", "--contexts=4,30", "--compare=hf", "--dtype=float32"])
     t, s = results["train"], results["sample"]
     assert t["speedup_vs_hf"] > 0 and len(t["hf_rounds_ms"]) == len(t["rounds_ms"]) == 5
-    assert s["weight_bytes"] == sum(p.numel() for p in GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64,
-                                                                      vocab_size=61)).parameters()) * 4
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=61))
+    assert s["weight_bytes"] == (sum(p.numel() for p in model.parameters()) - 64 * 32) * 4  # all but the wpe table
     assert s["roofline_tokens_per_sec"] == pytest.approx(s["copy_bandwidth_gb_s"] * 1e9 / s["weight_bytes"])
     assert s["fraction_of_roofline"] == pytest.approx(s["decode_tokens_per_sec"] / s["roofline_tokens_per_sec"])
     assert set(s["decode_ms_per_token_at_context"]) == {4, 30} and s["speedup_vs_hf"] > 0
     assert s["decode_longest_vs_shortest_context"] > 0
 
 
-def test_bf16_weights_halve_the_bytes():
+def test_bytes_per_token_count_what_a_decode_step_reads():
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=61))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]  # the tied head among them
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    fp32 = 4 * (sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0) for m in linears) + norms)
+    assert bench.bytes_read_per_token(model) == fp32  # embeddings: a step looks up one row
+    int8 = sum(m.weight.numel() + 2 * m.out_features * (2 if m.bias is not None else 1) for m in linears) + 4 * norms
     results = bench.main(["sample", *SHAPE, "--rounds=1", "--warmup=0", "--prompt_len=8", "--new_tokens=4",
                           "--contexts=4", "--weights_dtype=bfloat16"])
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=61))
-    assert results["sample"]["weight_bytes"] == 2 * sum(p.numel() for p in model.parameters())
+    assert results["sample"]["weight_bytes"] == fp32 // 2
+    results = bench.main(["sample", *SHAPE, "--rounds=1", "--warmup=0", "--prompt_len=8", "--new_tokens=4",
+                          "--contexts=4", "--weights_dtype=int8"])
+    assert results["sample"]["weight_bytes"] == int8
 
 
 def test_bad_requests(capsys):

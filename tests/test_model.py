@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, KVCache, RotaryPositions, alibi_slopes, filter_logits, lm_loss, sample_next
+from model import (GPT, GPTConfig, Int8Linear, KVCache, RotaryPositions, alibi_slopes, filter_logits, lm_loss,
+                   quantize_int8, sample_next)
 
 SCHEMES = ["learned", "rope", "sinusoidal", "alibi", "none"]
 
@@ -316,3 +317,46 @@ def test_recorded_attention_logit_is_the_largest_causal_score():
     causal = torch.ones(12, 12, dtype=torch.bool).tril()
     assert len(found) == 1 and found[0].item() == pytest.approx(scores[..., causal].max().item(), rel=1e-5)
     assert attn.attend.__name__ == "attention_sdpa"  # restored afterwards
+
+
+# ----------------------------------------------------------------------------------------------------
+# int8 weights
+
+
+def test_int8_linear_is_within_half_a_step_per_weight_and_its_two_paths_agree():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    q = Int8Linear(linear)
+    dequantised = q.weight.float() * q.scale.float()[:, None]
+    step = linear.weight.abs().amax(dim=1, keepdim=True) / 127
+    scale_rounding = (linear.weight.abs() + step) * 2**-8  # the scales are bf16
+    assert ((dequantised - linear.weight).abs() <= step / 2 + scale_rounding).all()
+    assert ((dequantised - linear.weight).abs() > step / 4).any()  # it is quantised, not a copy
+    x = torch.randn(3, 40, 64)  # 120 rows: the dequantised bf16 path
+    reference = F.linear(x.bfloat16(), dequantised.bfloat16(), q.bias).float()
+    torch.testing.assert_close(q(x), reference, atol=0.03, rtol=0.02)
+    for row in range(0, 120, 40):  # one row at a time: the int8 kernel
+        torch.testing.assert_close(q(x.view(-1, 64)[row : row + 1]), reference.view(-1, 48)[row : row + 1],
+                                   atol=0.03, rtol=0.02)
+    assert q(x).dtype == torch.float32 and q(x).shape == (3, 40, 48)
+
+
+@pytest.mark.parametrize("arch", [dict(), dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2,
+                                                tie_embeddings=False)], ids=["gpt2", "llama"])
+def test_int8_model_stays_close_to_the_float_model(arch):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=100, **arch)).eval()
+    idx = torch.randint(100, (2, 24))
+    with torch.no_grad():
+        reference = model(idx)[0]
+    quantized = GPT(model.config)
+    quantized.load_state_dict(model.state_dict())
+    assert quantize_int8(quantized) is quantized and not quantized.training
+    assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
+    assert quantized.tok_emb.weight.dtype == torch.float32  # the lookup table is left as it is
+    with torch.no_grad():
+        for rows in (idx, idx[:1, :8]):  # the prefill path, then the int8 kernel
+            error = (quantized(rows)[0] - reference[: rows.size(0), : rows.size(1)]).abs().max()
+            assert error < 0.1 * reference.std(), (error, reference.std())
+    tokens = quantized.generate(idx[:1, :4], 10, temperature=0)
+    assert tokens.shape == (1, 14) and tokens.max() < 100

@@ -61,6 +61,13 @@ def test_cli_prints_prompt_and_samples(trained_run):
     assert all(s.startswith("The king") and len(s) >= len("The king") + 20 for s in samples[:2])
 
 
+def test_int8_weights_sample(trained_run):
+    result = run_script("sample.py", f"--out_dir={trained_run}", "--start=The king", "--num_samples=2",
+                        "--max_new_tokens=20", "--device=cpu", "--dtype=int8")
+    assert result.returncode == 0, result.stderr
+    assert [s.startswith("The king") for s in result.stdout.split("---------------\n")] == [True, True, False]
+
+
 def test_file_prompt(trained_run, tmp_path, loaded):
     (tmp_path / "prompt.txt").write_text("The queen\n")
     result = run_script("sample.py", f"--out_dir={trained_run}", f"--start=FILE:{tmp_path / 'prompt.txt'}",
