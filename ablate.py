@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from checkpoint import CheckpointError, load_checkpoint
 from configurator import ConfigError, fail, keys_of, parse_dict, parse_or_exit, read_config_file
 from dataset import DataError
-from model import GPTConfig
+from model import GPT, GPTConfig
 import train
 
 
@@ -117,9 +117,7 @@ def summarize(runs, root):
         row["evals"].append(evals)
         ckpt = os.path.join(out_dir, train.CHECKPOINT)
         if row["params"] is None and os.path.exists(ckpt):
-            state = load_checkpoint(ckpt)
-            row["params"] = sum(t.numel() for k, t in state["model"].items()
-                                if not (k == "lm_head.weight" and state["model_config"]["tie_embeddings"]))
+            row["params"] = GPT(GPTConfig(**load_checkpoint(ckpt)["model_config"])).get_num_params()
     return rows
 
 

@@ -165,16 +165,21 @@ def causal_mask(start, T, kv_len, device):
     return torch.arange(kv_len, device=device)[None, :] <= q_pos
 
 
-def attention_explicit(q, k, v, bias, start, dropout_p=0.0):
-    """The textbook path, kept as the reference that SDPA is tested against."""
-    n_rep = q.size(1) // k.size(1)
-    k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+def attention_scores(q, k, bias, start):
+    """Pre-softmax scores (B, n_head, T, kv_len): scaled q.k (keys shared across a query group), plus
+    any ALiBi bias, -inf where the causal mask hides a key."""
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
     if bias is not None:
         scores = scores + bias.to(scores.dtype)
-    scores = scores.masked_fill(~causal_mask(start, q.size(2), k.size(2), q.device), float("-inf"))
+    return scores.masked_fill(~causal_mask(start, q.size(2), k.size(2), q.device), float("-inf"))
+
+
+def attention_explicit(q, k, v, bias, start, dropout_p=0.0):
+    """The textbook path, kept as the reference that SDPA is tested against."""
+    scores = attention_scores(q, k, bias, start)
     weights = F.dropout(F.softmax(scores.float(), dim=-1).to(q.dtype), p=dropout_p)
-    return weights @ v
+    return weights @ v.repeat_interleave(q.size(1) // v.size(1), dim=1)
 
 
 def attention_sdpa(q, k, v, bias, start, dropout_p=0.0):
@@ -207,12 +212,7 @@ def recording_max_attention_logit(model):
 
     def recorder(attend):
         def attend_and_record(q, k, v, bias, start, dropout_p=0.0):
-            n_rep = q.size(1) // k.size(1)
-            scores = (q.float() @ k.repeat_interleave(n_rep, dim=1).float().transpose(-2, -1)) / math.sqrt(q.size(-1))
-            if bias is not None:
-                scores = scores + bias.float()
-            scores = scores.masked_fill(~causal_mask(start, q.size(2), k.size(2), q.device), float("-inf"))
-            found.append(scores.max())
+            found.append(attention_scores(q.float(), k.float(), bias, start).max())
             return attend(q, k, v, bias, start, dropout_p)
 
         return attend_and_record
@@ -466,6 +466,17 @@ def lm_loss(logits, targets, z_loss=0.0):
     return ce + z_loss * log_z.square().mean(), ce
 
 
+def adamw(params, weight_decay, learning_rate, betas, device_type):
+    """AdamW with weight decay on matrices (embeddings and Linear weights) only; biases and norm gains
+    are not decayed. The fused kernel where the device has one (about 3x faster than foreach on a
+    2-core AMX CPU)."""
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cuda", "cpu", "mps"))
+
+
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -582,16 +593,8 @@ class GPT(nn.Module):
     # Training helpers
 
     def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """AdamW with weight decay on matrices (embeddings and Linear weights) only; biases and norm
-        gains are not decayed. The fused kernel where the device has one (about 3x faster than foreach
-        on a 2-core AMX CPU)."""
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        fused = device_type in ("cuda", "cpu", "mps")
-        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=fused)
+        """adamw() over every trainable parameter."""
+        return adamw([p for p in self.parameters() if p.requires_grad], weight_decay, learning_rate, betas, device_type)
 
     def configure_muon(self, weight_decay, learning_rate, betas, device_type, momentum=0.95):
         """[Muon, AdamW]: Muon (Jordan et al. 2024: momentum orthogonalised by Newton-Schulz) for the
@@ -601,12 +604,7 @@ class GPT(nn.Module):
         muon = torch.optim.Muon([p for p in self.blocks.parameters() if id(p) in hidden], lr=learning_rate,
                                 weight_decay=weight_decay, momentum=momentum, adjust_lr_fn="match_rms_adamw")
         rest = [p for p in self.parameters() if id(p) not in hidden]
-        groups = [
-            {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        adamw = torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cuda", "cpu", "mps"))
-        return [muon, adamw]
+        return [muon, adamw(rest, weight_decay, learning_rate, betas, device_type)]
 
     def flops_per_token(self, seq_len):
         """Training (forward + backward) FLOPs per token, as in the PaLM paper's appendix: 6 per matmul
