@@ -279,7 +279,8 @@ def bench_sample(model, c, device):
     g = torch.Generator().manual_seed(c["seed"])
     prompt = torch.randint(config.vocab_size, (1, P), generator=g).to(device)
     runs = {
-        "prefill": lambda: model(prompt, kv_cache=KVCache(config.n_layer, config.block_size)),
+        # what generate() does before its first token: the whole prompt, the head on its last position
+        "prefill": lambda: model.lm_head(model.hidden_states(prompt, KVCache(config.n_layer, config.block_size))[:, -1]),
         "ours": lambda: model.generate(prompt, N, temperature=0),
     }
     if c["compare"] == "float32":
