@@ -29,7 +29,7 @@ import torch
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, fail, keys_of, parse_or_exit
 from model import CHOICES as MODEL_CHOICES
-from model import GPT, GPTConfig, Int8Linear, KVCache, cuda_peak_flops, lm_loss, quantize_int8
+from model import GPT, GPTConfig, Int8Linear, KVCache, cuda_peak_flops, for_inference, lm_loss
 from train import CHECKPOINT, pick_device, pick_dtype
 
 
@@ -269,7 +269,7 @@ def bench_sample(model, c, device):
     config = model.config
     twin = hf_twin(model.eval(), c["hf_dtype"]).eval() if c["compare"] == "hf" else None  # from fp32 weights
     try:
-        model = quantize_int8(model) if c["weights_dtype"] == "int8" else model.eval().to(dtype=getattr(torch, c["weights_dtype"]))
+        model = for_inference(model, c["weights_dtype"])
     except ValueError as e:
         raise ConfigError(str(e)) from None
     P, N = c["prompt_len"], c["new_tokens"]

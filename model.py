@@ -11,10 +11,10 @@ Features (each chosen once, in GPTConfig):
 - generate(): prefill once, then one token per step with a preallocated KV cache;
   temperature, top-k, top-p, stop token, one generator per row
 - Hugging Face GPT-2 and Llama-architecture weights in (from_pretrained) and out (save_pretrained)
-- int8 weight-only quantisation for CPU inference (quantize_int8)
+- inference weights in fp32, bf16 (a matrix-vector path for CPU decoding) or int8 weight-only (for_inference)
 
 Reads top to bottom: norms, positions, attention, MLPs, block, config, KV cache, sampling, model,
-int8 weights, Hugging Face interop.
+inference weights, Hugging Face interop.
 """
 
 import json
@@ -183,9 +183,10 @@ def attention_explicit(q, k, v, bias, start, dropout_p=0.0):
 
 
 def attention_sdpa(q, k, v, bias, start, dropout_p=0.0):
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(2) > 1:
         # torch 2.13's CPU flash-attention kernel is 2-4x slower in bf16 than in fp32 (backward above
-        # all; measured in docs/research_log.md), so on CPU attention runs in fp32
+        # all; measured in docs/research_log.md), so on CPU training and prefill attention run in fp32.
+        # One decoded query stays in bf16: casting the whole cache to fp32 every step would cost more.
         with torch.autocast("cpu", enabled=False):  # autocast would cast them straight back to bf16
             return attention_sdpa(q.float(), k.float(), v.float(), bias, start, dropout_p).to(q.dtype)
     T, kv_len = q.size(2), k.size(2)
@@ -698,8 +699,23 @@ def cuda_peak_flops(device):
 
 
 # ----------------------------------------------------------------------------------------------------
-# int8 weights for CPU inference. Decoding one token reads every weight once, so its speed is the
-# bytes per weight; torch's bf16 matrix-vector product is slow on CPUs, its int8 weight-only one is not.
+# Weights for inference. Decoding one token reads every weight once, so its speed is the bytes per
+# weight and the bandwidth of the kernel that reads them.
+
+
+class MatVecLinear(nn.Linear):
+    """A Linear that computes a single row (one token being decoded) as a matrix-vector product. On CPU,
+    torch 2.13 sends a one-row bf16 linear through a matrix-matrix path that reads bf16 weights at half
+    fp32's bytes/s; addmv streams them at about fp32's rate, so bf16 weights decode faster than fp32
+    instead of slower (docs/research_log.md). More rows (a prefill, a batch) take the usual path."""
+
+    def forward(self, x):
+        if x.numel() != x.size(-1):
+            return F.linear(x, self.weight, self.bias)
+        row = x.reshape(-1)
+        y = torch.mv(self.weight, row) if self.bias is None else torch.addmv(self.bias, self.weight, row)
+        return y.view(*x.shape[:-1], -1)
+
 
 
 class Int8Linear(nn.Module):
@@ -730,16 +746,37 @@ class Int8Linear(nn.Module):
         return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
+def replace_linears(model, make):
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, make(child))
+
+
+def matvec_linear(linear):
+    new = MatVecLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    new.weight, new.bias = linear.weight, linear.bias  # the same Parameters: a tied head stays tied
+    return new
+
+
 def quantize_int8(model):
     """Replaces every Linear (the blocks' and the LM head) by an Int8Linear, in place; the token
     embedding stays as it is (a lookup reads one row). For inference on CPU; returns the model."""
     if next(model.parameters()).device.type != "cpu":
         raise ValueError("int8 weights are for CPU inference (torch's int8 weight-only kernel); use bfloat16 on GPUs")
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child))
+    replace_linears(model, Int8Linear)
     return model.eval()
+
+
+def for_inference(model, weights_dtype):
+    """The model in eval mode with its weights in weights_dtype (float32, bfloat16, float16, or int8 =
+    quantize_int8), in place. bf16 on CPU decodes through MatVecLinear."""
+    if weights_dtype == "int8":
+        return quantize_int8(model)
+    model.eval().to(dtype=getattr(torch, weights_dtype))
+    if weights_dtype == "bfloat16" and next(model.parameters()).device.type == "cpu":
+        replace_linears(model, matvec_linear)
+    return model
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, fail, keys_of, parse_or_exit
 from dataset import DataError, TiktokenTokenizer, tokenizer_from_meta
-from model import GPT, check_sampling_args, quantize_int8
+from model import GPT, check_sampling_args, for_inference
 from train import CHECKPOINT, pick_device
 
 END_OF_TEXT = "<|endoftext|>"
@@ -193,8 +193,7 @@ def main(argv=None):
             raise ConfigError("stream=True prints one sample as it arrives: set num_samples=1")
         device = pick_device(c["device"])
         model, tokenizer = load_model(c["init_from"], c["out_dir"])
-        model.eval().to(device=device)
-        model = quantize_int8(model) if c["dtype"] == "int8" else model.to(dtype=getattr(torch, c["dtype"]))
+        model = for_inference(model.to(device=device), c["dtype"])
         prompt = read_prompt(c["start"])
         if c["stream"]:
             stream_text(model, tokenizer, prompt, c, device, lambda s: print(s, end="", flush=True))

@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (GPT, GPTConfig, Int8Linear, KVCache, RotaryPositions, alibi_slopes, filter_logits, lm_loss,
-                   quantize_int8, sample_next)
+from model import (GPT, GPTConfig, Int8Linear, KVCache, MatVecLinear, RotaryPositions, alibi_slopes, filter_logits,
+                   for_inference, lm_loss, quantize_int8, sample_next)
 
 SCHEMES = ["learned", "rope", "sinusoidal", "alibi", "none"]
 
@@ -320,7 +320,45 @@ def test_recorded_attention_logit_is_the_largest_causal_score():
 
 
 # ----------------------------------------------------------------------------------------------------
-# int8 weights
+# Inference weights: bf16 through MatVecLinear, int8
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matvec_linear_computes_what_linear_does(bias, dtype):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 40, bias=bias).to(dtype)
+    matvec = MatVecLinear(96, 40, bias=bias).to(dtype)
+    matvec.load_state_dict(linear.state_dict())
+    exact = lambda x: F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.02, rtol=0.02)
+    for shape in [(1, 1, 96), (1, 96), (96,), (2, 3, 96)]:  # one row (matrix-vector), then several (F.linear)
+        x = torch.randn(shape).to(dtype)
+        y = matvec(x)
+        assert y.shape == (*shape[:-1], 40) and y.dtype == dtype
+        torch.testing.assert_close(y.double(), exact(x), **tolerance)
+
+
+@pytest.mark.parametrize("arch", [dict(), dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2,
+                                                tie_embeddings=False)], ids=["gpt2", "llama"])
+def test_bf16_inference_decodes_like_the_uncached_bf16_forward(arch):
+    torch.manual_seed(0)
+    model = for_inference(GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=100, **arch)), "bfloat16")
+    assert not model.training and all(p.dtype == torch.bfloat16 for p in model.parameters())
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is MatVecLinear for m in linears)
+    assert (model.lm_head.weight is model.tok_emb.weight) == model.config.tie_embeddings
+    idx = torch.randint(100, (1, 20))
+    with torch.no_grad():
+        reference = model(idx)[0].float()  # no cache: every position through F.linear and fp32 attention
+        cache = KVCache(model.config.n_layer, model.config.block_size)
+        model(idx[:, :12], kv_cache=cache)  # prefill, then one token at a time: matrix-vector products, bf16 attention
+        for t in range(12, 20):
+            step = model(idx[:, t : t + 1], kv_cache=cache)[0][0, -1].float()
+            # bf16 rounding moves these logits by at most 0.4% of the largest; a key left out moves them by 2-6%
+            torch.testing.assert_close(step, reference[0, t], atol=0.01 * reference.abs().max().item(), rtol=0)
+    assert for_inference(GPT(model.config), "float32").lm_head.__class__ is torch.nn.Linear
+    assert type(for_inference(GPT(model.config), "int8").lm_head) is Int8Linear
 
 
 def test_int8_linear_is_within_half_a_step_per_weight_and_its_two_paths_agree():
