@@ -705,9 +705,10 @@ def cuda_peak_flops(device):
 
 class MatVecLinear(nn.Linear):
     """A Linear that computes a single row (one token being decoded) as a matrix-vector product. On CPU,
-    torch 2.13 sends a one-row bf16 linear through a matrix-matrix path that reads bf16 weights at half
-    fp32's bytes/s; addmv streams them at about fp32's rate, so bf16 weights decode faster than fp32
-    instead of slower (docs/research_log.md). More rows (a prefill, a batch) take the usual path."""
+    torch 2.13 sends a one-row bf16 linear through a matrix-matrix path that reads bf16 weights at under
+    half fp32's bytes/s; addmv reads them at 60-100% of fp32's rate (at half the bytes), so GPT-2 small
+    decodes faster in bf16 than in fp32 instead of slower (docs/research_log.md). More rows (a prefill,
+    a batch) take the usual path."""
 
     def forward(self, x):
         if x.numel() != x.size(-1):
