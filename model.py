@@ -266,7 +266,16 @@ class CausalSelfAttention(nn.Module):
 
 def gelu_tanh(x):
     # GPT-2 was trained with the tanh approximation; the exact erf GELU would cost parity with its weights
+    if torch.compiler.is_compiling():
+        return gelu_tanh_as_sigmoid(x)
     return F.gelu(x, approximate="tanh")
+
+
+def gelu_tanh_as_sigmoid(x):
+    """The same function, since (1 + tanh(z)) / 2 = sigmoid(2z). Under torch.compile this fuses into one
+    kernel that runs the CPU forward 3x and the backward 1.7x faster than inductor's tanh GELU; in eager
+    mode its five ops are slower than aten's one (docs/research_log.md)."""
+    return x * torch.sigmoid(math.sqrt(8 / math.pi) * (x + 0.044715 * x * x * x))
 
 
 def relu_squared(x):

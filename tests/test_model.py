@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from model import (GPT, GPTConfig, Int8Linear, KVCache, MatVecLinear, RotaryPositions, alibi_slopes, filter_logits,
-                   for_inference, lm_loss, quantize_int8, sample_next)
+                   for_inference, gelu_tanh, gelu_tanh_as_sigmoid, lm_loss, quantize_int8, sample_next)
 
 SCHEMES = ["learned", "rope", "sinusoidal", "alibi", "none"]
 
@@ -317,6 +317,17 @@ def test_recorded_attention_logit_is_the_largest_causal_score():
     causal = torch.ones(12, 12, dtype=torch.bool).tril()
     assert len(found) == 1 and found[0].item() == pytest.approx(scores[..., causal].max().item(), rel=1e-5)
     assert attn.attend.__name__ == "attention_sdpa"  # restored afterwards
+
+
+def test_gelu_tanh_is_the_same_function_compiled_or_not():
+    x = torch.linspace(-10, 10, 4001, dtype=torch.float64, requires_grad=True)
+    sigmoid_form, aten = gelu_tanh_as_sigmoid(x), F.gelu(x, approximate="tanh")
+    torch.testing.assert_close(sigmoid_form, aten, atol=1e-12, rtol=1e-12)  # float64: the identity is exact
+    grads = [torch.autograd.grad(y.sum(), x)[0] for y in (sigmoid_form, aten)]
+    torch.testing.assert_close(*grads, atol=1e-12, rtol=1e-12)
+    x = torch.randn(4096) * 4
+    compiled = torch.compile(gelu_tanh, backend="eager", fullgraph=True)  # traces the compiling branch, no inductor
+    torch.testing.assert_close(compiled(x), F.gelu(x, approximate="tanh"), atol=1e-6, rtol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------------
