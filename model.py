@@ -727,7 +727,6 @@ class MatVecLinear(nn.Linear):
         return y.view(*x.shape[:-1], -1)
 
 
-
 class Int8Linear(nn.Module):
     """A Linear for inference with its weight stored as int8 and one bf16 scale per output row
     (symmetric, per-channel, weight-only quantisation: each weight is off by at most half a step,
