@@ -29,7 +29,7 @@ import torch
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, fail, keys_of, parse_or_exit
 from model import CHOICES as MODEL_CHOICES
-from model import GPT, GPTConfig, Int8Linear, KVCache, cuda_peak_flops, for_inference, lm_loss
+from model import WEIGHTS_DTYPES, GPT, GPTConfig, Int8Linear, KVCache, cuda_peak_flops, for_inference, lm_loss
 from train import CHECKPOINT, pick_device, pick_dtype
 
 
@@ -55,7 +55,7 @@ class BenchConfig:
 
 
 CHOICES = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("auto", "cpu", "cuda", "mps"),
-           "weights_dtype": ("float32", "bfloat16", "float16", "int8"), "compare": ("", "hf", "float32"),
+           "weights_dtype": WEIGHTS_DTYPES, "compare": ("", "hf", "float32"),
            "hf_dtype": ("float32", "bfloat16"), **MODEL_CHOICES}  # fmt: skip
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 BENCH_KEYS = [f.name for f in fields(BenchConfig)]
@@ -267,6 +267,8 @@ def bytes_read_per_token(model):
 
 def bench_sample(model, c, device):
     config = model.config
+    if c["compare"] == "float32":
+        raise ConfigError("compare=float32 is for training; sampling takes weights_dtype instead")
     twin = hf_twin(model.eval(), c["hf_dtype"]).eval() if c["compare"] == "hf" else None  # from fp32 weights
     try:
         model = for_inference(model, c["weights_dtype"])
@@ -283,8 +285,6 @@ def bench_sample(model, c, device):
         "prefill": lambda: model.lm_head(model.hidden_states(prompt, KVCache(config.n_layer, config.block_size))[:, -1]),
         "ours": lambda: model.generate(prompt, N, temperature=0),
     }
-    if c["compare"] == "float32":
-        raise ConfigError("compare=float32 is for training; sampling takes weights_dtype instead")
     if twin is not None:
         mask = torch.ones_like(prompt)
         runs["hf"] = lambda: twin.generate(prompt, attention_mask=mask, max_new_tokens=N, min_new_tokens=N,

@@ -777,6 +777,9 @@ def quantize_int8(model):
     return model.eval()
 
 
+WEIGHTS_DTYPES = ("float32", "bfloat16", "float16", "int8")  # what for_inference takes
+
+
 def for_inference(model, weights_dtype):
     """The model in eval mode with its weights in weights_dtype (float32, bfloat16, float16, or int8 =
     quantize_int8), in place. bf16 on CPU decodes through MatVecLinear."""

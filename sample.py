@@ -20,7 +20,7 @@ import torch
 from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, fail, keys_of, parse_or_exit
 from dataset import DataError, TiktokenTokenizer, tokenizer_from_meta
-from model import GPT, check_sampling_args, for_inference
+from model import WEIGHTS_DTYPES, GPT, check_sampling_args, for_inference
 from train import CHECKPOINT, pick_device
 
 END_OF_TEXT = "<|endoftext|>"
@@ -43,7 +43,7 @@ class SampleConfig:
     stop: Optional[str] = None  # end each sample before this string; <|endoftext|> = the end-of-text token
 
 
-CHOICES = {"device": ("auto", "cpu", "cuda", "mps"), "dtype": ("float32", "bfloat16", "float16", "int8")}
+CHOICES = {"device": ("auto", "cpu", "cuda", "mps"), "dtype": WEIGHTS_DTYPES}
 
 
 def load_model(init_from, out_dir):
