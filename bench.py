@@ -21,16 +21,15 @@ import statistics
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
 import torch
 
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, fail, keys_of, parse_or_exit
 from model import CHOICES as MODEL_CHOICES
 from model import WEIGHTS_DTYPES, GPT, GPTConfig, Int8Linear, KVCache, cuda_peak_flops, for_inference, lm_loss
-from train import CHECKPOINT, pick_device, pick_dtype
+from device import autocast, cpu_facts, pick_device, pick_dtype, precision
 
 
 @dataclass
@@ -41,6 +40,7 @@ class BenchConfig:
     weights_dtype: str = "float32"  # sampling: float32 | bfloat16 | float16 | int8 (CPU; quantised weights)
     device: str = "auto"  # auto | cpu | cuda | mps
     compile: bool = False  # torch.compile our training step's model (compile time reported apart)
+    optimizer: str = "adamw"  # training step's optimizer: adamw | muon (as train.py builds them)
     threads: int = 0  # torch.set_num_threads; 0 = PyTorch's default
     rounds: int = 5  # interleaved rounds per measurement (at least 5 for --compare)
     steps: int = 3  # training steps timed per round
@@ -48,14 +48,14 @@ class BenchConfig:
     prompt_len: int = 512  # sampling: prompt tokens (prefill)
     new_tokens: int = 200  # sampling: generated tokens (greedy)
     contexts: str = "10,100,1000"  # sampling: decode ms per token at these context lengths
-    compare: str = ""  # hf: also measure the same model in transformers; float32 (train): ours without autocast
+    compare: str = ""  # hf: also the same model in transformers; float32 (train): ours without autocast; adamw (train): ours with AdamW
     hf_dtype: str = "float32"  # transformers' dtype for --compare=hf (its weights and compute)
     json: str = ""  # also write the results to this JSON file
     seed: int = 0
 
 
 CHOICES = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("auto", "cpu", "cuda", "mps"),
-           "weights_dtype": WEIGHTS_DTYPES, "compare": ("", "hf", "float32"),
+           "weights_dtype": WEIGHTS_DTYPES, "compare": ("", "hf", "float32", "adamw"), "optimizer": ("adamw", "muon"),
            "hf_dtype": ("float32", "bfloat16"), **MODEL_CHOICES}  # fmt: skip
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 BENCH_KEYS = [f.name for f in fields(BenchConfig)]
@@ -154,9 +154,12 @@ class OurTrainStep:
     def __init__(self, model, c, device, dtype):
         self.model, self.device = model, device
         device_type = torch.device(device).type
-        self.optimizer = model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)
-        self.autocast = (nullcontext() if dtype == "float32"
-                         else torch.autocast(device_type, dtype=getattr(torch, dtype)))  # fmt: skip
+        if c["optimizer"] == "muon":
+            self.optimizers = model.configure_muon(0.1, 1e-4, (0.9, 0.95), device_type,
+                                                   ns_dtype=precision(device_type).newton_schulz)
+        else:
+            self.optimizers = [model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)]
+        self.autocast = autocast(device_type, dtype)
         self.forward = torch.compile(model) if c["compile"] else model
         self.z_loss = model.config.z_loss
 
@@ -166,8 +169,9 @@ class OurTrainStep:
         loss = lm_loss(logits, y, self.z_loss)[0]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        for optimizer in self.optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
 
 class HFTrainStep:
@@ -190,6 +194,8 @@ class HFTrainStep:
 
 def bench_train(model, c, device, dtype):
     config = model.config
+    if c["compare"] == "adamw" and c["optimizer"] == "adamw":
+        raise ConfigError("compare=adamw measures another optimizer against AdamW: set optimizer=muon")
     B, T = c["batch_size"], config.block_size
     g = torch.Generator().manual_seed(c["seed"])
     x = torch.randint(config.vocab_size, (B, T), generator=g).to(device)
@@ -199,6 +205,8 @@ def bench_train(model, c, device, dtype):
         steps["hf"] = HFTrainStep(hf_twin(model, c["hf_dtype"]))
     elif c["compare"] == "float32":  # the same model and recipe, autocast off
         steps["float32"] = OurTrainStep(copy.deepcopy(model), {**c, "compile": False}, device, "float32")
+    elif c["compare"] == "adamw":  # the same model, autocast and compile, AdamW for every parameter
+        steps["adamw"] = OurTrainStep(copy.deepcopy(model), {**c, "optimizer": "adamw"}, device, dtype)
     compile_seconds = seconds(lambda: steps["ours"](x, y), device) if c["compile"] else None
     for step in steps.values():
         for _ in range(c["warmup"]):
@@ -214,7 +222,8 @@ def bench_train(model, c, device, dtype):
     measured_peak = None if device_type == "cuda" else matmul_peak(getattr(torch, dtype), device)
     peak = cuda_peak_flops(device) if device_type == "cuda" else measured_peak
     result = {
-        "shape": f"{config.n_layer}x{config.n_embd}, T{T}, B{B}", "dtype": dtype, "ms_per_step": ms,
+        "shape": f"{config.n_layer}x{config.n_embd}, T{T}, B{B}", "dtype": dtype, "optimizer": c["optimizer"],
+        "ms_per_step": ms,
         "tokens_per_sec": tokens_per_sec, "flops_per_token": model.flops_per_token(T),
         "mfu": model.estimate_mfu(tokens_per_sec, T, peak_flops=peak) if peak else None,
         "peak_flops": peak, "peak_source": "measured matmul" if measured_peak else "device table",
@@ -226,6 +235,9 @@ def bench_train(model, c, device, dtype):
     if "float32" in times:
         result.update(float32_ms_per_step=statistics.median(times["float32"]) * 1000,
                       speedup_vs_float32=median_ratio(times, "float32", "ours"))
+    if "adamw" in times:
+        result.update(adamw_ms_per_step=statistics.median(times["adamw"]) * 1000,
+                      speedup_vs_adamw=median_ratio(times, "adamw", "ours"))
     return result
 
 
@@ -267,8 +279,8 @@ def bytes_read_per_token(model):
 
 def bench_sample(model, c, device):
     config = model.config
-    if c["compare"] == "float32":
-        raise ConfigError("compare=float32 is for training; sampling takes weights_dtype instead")
+    if c["compare"] in ("float32", "adamw"):
+        raise ConfigError(f"compare={c['compare']} is for training; sampling compares with compare=hf only")
     twin = hf_twin(model.eval(), c["hf_dtype"]).eval() if c["compare"] == "hf" else None  # from fp32 weights
     try:
         model = for_inference(model, c["weights_dtype"])
@@ -328,6 +340,18 @@ def contexts(c, config):
     return [ctx for ctx in out if ctx + 20 <= config.block_size] or [min(10, config.block_size - 21)]
 
 
+def machine(device_type):
+    """What every figure depends on: the CPU (its instruction set as torch reports it), threads, and
+    the precision decision (device.py)."""
+    facts = cpu_facts()
+    out = {"cpu": facts["name"], "torch_cpu_capability": facts["capability"], "onednn_bf16": facts["onednn_bf16"],
+           "bf16_instructions": "+".join(facts["bf16_instructions"]) or "none", "torch_threads": facts["threads"],
+           "bf16_fast": precision(device_type).bf16_fast}
+    if device_type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name()
+    return out
+
+
 def report(results):
     for kind, r in results.items():
         print(f"== {kind}")
@@ -356,7 +380,7 @@ def main(argv=None):
             torch.set_num_threads(values["threads"])
         device = pick_device(values["device"])
         dtype = pick_dtype(values["dtype"], torch.device(device).type)
-        results = {"threads": {"torch_threads": torch.get_num_threads()}}
+        results = {"machine": machine(torch.device(device).type)}
         if what in ("train", "all"):
             results["train"] = bench_train(build_model(values, device), values, device, dtype)
         if what in ("sample", "all"):

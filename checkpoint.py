@@ -22,6 +22,8 @@ from dataset import atomic_write
 from model import GPT, GPTConfig
 
 FORMAT = 1
+CHECKPOINT = "ckpt.pt"  # in out_dir
+METRICS = "metrics.jsonl"  # in out_dir: one JSON line per log and evaluation
 
 
 class CheckpointError(ValueError):

@@ -10,9 +10,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import fail, keys_of, parse_or_exit
-from train import CHECKPOINT
 
 
 @dataclass

@@ -28,6 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from optim import Muon, adamw
+
 # ----------------------------------------------------------------------------------------------------
 # Norms
 
@@ -476,17 +478,6 @@ def lm_loss(logits, targets, z_loss=0.0):
     return ce + z_loss * log_z.square().mean(), ce
 
 
-def adamw(params, weight_decay, learning_rate, betas, device_type):
-    """AdamW with weight decay on matrices (embeddings and Linear weights) only; biases and norm gains
-    are not decayed. The fused kernel where the device has one (about 3x faster than foreach on a
-    2-core AMX CPU)."""
-    groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type in ("cuda", "cpu", "mps"))
-
-
 class GPT(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -606,13 +597,13 @@ class GPT(nn.Module):
         """adamw() over every trainable parameter."""
         return adamw([p for p in self.parameters() if p.requires_grad], weight_decay, learning_rate, betas, device_type)
 
-    def configure_muon(self, weight_decay, learning_rate, betas, device_type, momentum=0.95):
-        """[Muon, AdamW]: Muon (Jordan et al. 2024: momentum orthogonalised by Newton-Schulz) for the
-        blocks' matrices, with its rate scaled to match AdamW's update size (Liu et al. 2025) so one
-        learning_rate serves both; AdamW for the embeddings, the head, norm gains and biases."""
+    def configure_muon(self, weight_decay, learning_rate, betas, device_type, momentum=0.95, ns_dtype=torch.bfloat16):
+        """[Muon, AdamW]: Muon (Jordan et al. 2024: momentum orthogonalised by Newton-Schulz, in ns_dtype)
+        for the blocks' matrices, with its rate scaled to match AdamW's update size (Liu et al. 2025) so
+        one learning_rate serves both; AdamW for the embeddings, the head, norm gains and biases."""
         hidden = {id(p) for p in self.blocks.parameters() if p.dim() == 2}
-        muon = torch.optim.Muon([p for p in self.blocks.parameters() if id(p) in hidden], lr=learning_rate,
-                                weight_decay=weight_decay, momentum=momentum, adjust_lr_fn="match_rms_adamw")
+        muon = Muon([p for p in self.blocks.parameters() if id(p) in hidden], ns_dtype=ns_dtype, lr=learning_rate,
+                    weight_decay=weight_decay, momentum=momentum, adjust_lr_fn="match_rms_adamw")
         rest = [p for p in self.parameters() if id(p) not in hidden]
         return [muon, adamw(rest, weight_decay, learning_rate, betas, device_type)]
 

@@ -17,11 +17,11 @@ from typing import Optional
 
 import torch
 
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_from_checkpoint
 from configurator import ConfigError, fail, keys_of, parse_or_exit
 from dataset import DataError, TiktokenTokenizer, tokenizer_from_meta
 from model import WEIGHTS_DTYPES, GPT, check_sampling_args, for_inference
-from train import CHECKPOINT, pick_device
+from device import pick_device, precision
 
 END_OF_TEXT = "<|endoftext|>"
 
@@ -145,13 +145,20 @@ def decode(tokenizer, prompt_ids, ids, stop):
     return cut_at_stop(continuation(tokenizer, prompt_ids, ids), stop)
 
 
+def log_precision(c, device):
+    """One line on stderr, once the input has passed its checks (bad input gets its error line alone)."""
+    print(f"precision: {c['dtype']} weights | {precision(torch.device(device).type).why}", file=sys.stderr)
+
+
 def generate_texts(model, tokenizer, prompt, c, device):
     """The generated continuations (prompt excluded), one per sample."""
     ids = encode_prompt(tokenizer, prompt, model.config.block_size)
     idx = torch.tensor([ids] * c["num_samples"], dtype=torch.long, device=device)
     generators = [torch.Generator(device=device).manual_seed(c["seed"] + i) for i in range(c["num_samples"])]
-    out = model.generate(idx, c["max_new_tokens"], c["temperature"], c["top_k"], c["top_p"],
-                         eos_token_id=stop_token(tokenizer, c["stop"]), generator=generators)
+    eos = stop_token(tokenizer, c["stop"])
+    log_precision(c, device)
+    out = model.generate(idx, c["max_new_tokens"], c["temperature"], c["top_k"], c["top_p"], eos_token_id=eos,
+                         generator=generators)
     return [decode(tokenizer, ids, row[len(ids) :].tolist(), c["stop"]) for row in out]
 
 
@@ -164,8 +171,10 @@ def stream_text(model, tokenizer, prompt, c, device, write):
     stop = c["stop"]
     hold = 0 if stop in (None, END_OF_TEXT) else len(stop) - 1
     new, shown = [], ""
+    eos = stop_token(tokenizer, stop)
+    log_precision(c, device)
     for column in model.stream(idx, c["max_new_tokens"], c["temperature"], c["top_k"], c["top_p"],
-                               eos_token_id=stop_token(tokenizer, stop), generator=generator):
+                               eos_token_id=eos, generator=generator):
         new.append(int(column[0, 0]))
         text = decode(tokenizer, ids, new, stop)
         ended = len(text) < len(continuation(tokenizer, ids, new))  # the stop string (or token) has appeared

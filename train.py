@@ -23,14 +23,14 @@ import torch
 import torch.distributed as dist
 
 import model as model_module
-from checkpoint import CheckpointError, RunLock, load_checkpoint, save_checkpoint
+from checkpoint import CHECKPOINT, METRICS, CheckpointError, RunLock, load_checkpoint, save_checkpoint
 from configurator import ConfigError, fail, keys_of, parse_or_exit
 from dataset import BatchSampler, DataError, open_split, read_meta
+from device import autocast as autocast_for
+from device import pick_device, pick_dtype, precision
 from model import GPT, GPTConfig, lm_loss, recording_max_attention_logit
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-CHECKPOINT = "ckpt.pt"
-METRICS = "metrics.jsonl"
 
 
 @dataclass
@@ -63,7 +63,7 @@ class TrainConfig:
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 = no clipping (the norm is still logged)
     # system
     device: str = "auto"  # auto: cuda, else mps, else cpu; under torchrun each process takes cuda:LOCAL_RANK
-    dtype: str = "auto"  # auto: bf16 on CUDA with bf16 and on AMX/AVX512-BF16 CPUs, fp16 on older CUDA, else float32
+    dtype: str = "auto"  # auto: bf16 where it runs faster than fp32 (CUDA with bf16, AMX CPUs; see device.py), fp16 on older CUDA, else float32
     compile: bool = False  # torch.compile the model (about 30 s of compiling on a 2-core CPU)
     fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP
     seed: int = 1337
@@ -118,36 +118,6 @@ def get_lr(it, c):
         return c["min_lr"]
     progress = (it - c["warmup_iters"]) / max(1, decay_iters - c["warmup_iters"])
     return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * progress)) * (c["learning_rate"] - c["min_lr"])
-
-
-def cpu_has_bf16():
-    """AMX or AVX512-BF16: bf16 matmuls run several times faster than fp32 on such CPUs."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def pick_device(name):
-    if name == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        return "mps" if torch.backends.mps.is_available() else "cpu"
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but CUDA is not available; use device=cpu or device=auto")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise ConfigError("device=mps but MPS is not available; use device=cpu or device=auto")
-    return name
-
-
-def pick_dtype(name, device_type):
-    if name != "auto":
-        return name
-    if device_type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
-    return "bfloat16" if device_type == "cpu" and cpu_has_bf16() else "float32"
 
 
 def resolve_dataset(name):
@@ -397,7 +367,8 @@ def train(c, explicit):
         fully_shard(model)
     betas = (c["beta1"], c["beta2"])
     if c["optimizer"] == "muon":
-        optimizers = model.configure_muon(c["weight_decay"], c["learning_rate"], betas, device_type, c["muon_momentum"])
+        optimizers = model.configure_muon(c["weight_decay"], c["learning_rate"], betas, device_type, c["muon_momentum"],
+                                          precision(device_type).newton_schulz)
     else:
         optimizers = [model.configure_optimizers(c["weight_decay"], c["learning_rate"], betas, device_type)]
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
@@ -431,8 +402,7 @@ def train(c, explicit):
         # buffers (RoPE tables, ALiBi slopes) are constants: no need to sync them every forward
         model = DistributedDataParallel(model, device_ids=[world.local_rank] if device_type == "cuda" else None,
                                         forward_sync_buffers=False)
-    autocast = (nullcontext() if dtype == "float32"
-                else torch.autocast(device_type, dtype=getattr(torch, dtype)))  # fmt: skip
+    autocast = autocast_for(device_type, dtype)
     pin = device_type == "cuda"
 
     def to_device(t):
@@ -492,6 +462,9 @@ def train(c, explicit):
     # one run per out_dir; taken only now, so input that fails the checks above leaves nothing behind
     lock = RunLock(out_dir).acquire() if world.master else None
     logger = Logger(c, out_dir, start_iter, metrics_bytes, world.master)
+    fast = precision(device_type)
+    muon_dtype = f", Muon's Newton-Schulz in {str(fast.newton_schulz).removeprefix('torch.')}" if c["optimizer"] == "muon" else ""
+    logger.print(f"precision: {dtype} ({'chosen' if c['dtype'] == 'auto' else 'as set'}){muon_dtype} | {fast.why}")
     if ckpt_rng_processes and ckpt_rng_processes != world.world:
         logger.print(f"note: the checkpoint comes from {ckpt_rng_processes} process(es), this run has {world.world}: "
                      "batches continue exactly, dropout's random streams start afresh")

@@ -1,0 +1,136 @@
+"""
+Which device, and which dtypes run fast on it: one decision that train.py, sample.py and bench.py share.
+
+On CPUs the answer differs by a factor of 100 between machines. On an AMX Xeon a bf16 matmul runs 3-6x
+faster than fp32; on an AVX2 CPU (most laptops and desktops, AMD Zen 2/3) torch has no bf16 matmul kernel
+worth the name and one runs 30-100x slower than fp32. So the choice follows what this torch build runs
+here: its reported CPU capability, whether oneDNN has bf16 support, whether the CPU has bf16 matrix
+instructions, and then a matmul timed once per process (a few milliseconds), because oneDNN also
+"supports" bf16 by emulation on CPUs (or under ONEDNN_MAX_CPU_ISA limits) where it is slower than fp32.
+
+SMALLGPT_BF16=1 treats bf16 as fast whatever this finds, SMALLGPT_BF16=0 as slow.
+"""
+
+import os
+import platform
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from configurator import ConfigError
+
+OVERRIDE = "SMALLGPT_BF16"
+MIN_SPEEDUP = 1.5  # bf16 must beat fp32 by this much to be chosen: near 1x, fp32's precision wins
+
+
+@dataclass(frozen=True)
+class Precision:
+    """What runs fast here. bf16_fast: bf16 matrix products beat fp32 on this device; autocast: the
+    training compute dtype that follows from it; why: one line for the log."""
+
+    device_type: str
+    bf16_fast: bool
+    autocast: str
+    why: str
+
+    @property
+    def newton_schulz(self):
+        """Muon's orthogonalisation dtype: five chained matmuls per matrix per step."""
+        return torch.bfloat16 if self.bf16_fast else torch.float32
+
+
+def pick_device(name):
+    if name == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        return "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device=cuda but CUDA is not available; use device=cpu or device=auto")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device=mps but MPS is not available; use device=cpu or device=auto")
+    return name
+
+
+def cpu_facts():
+    """What torch reports about this CPU (cpuinfo's flags are the hardware's, whatever limits the
+    environment puts on torch; the capability and oneDNN's bf16 flag follow those limits)."""
+    caps = torch.cpu.get_capabilities() if hasattr(torch.cpu, "get_capabilities") else {}
+    try:
+        onednn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        onednn_bf16 = False
+    return {
+        "name": caps.get("cpu_name") or platform.processor() or platform.machine(),
+        "capability": torch.backends.cpu.get_cpu_capability(),
+        "onednn_bf16": onednn_bf16,
+        "bf16_instructions": [k for k in ("amx_bf16", "avx512_bf16") if caps.get(k)],
+        "threads": torch.get_num_threads(),
+    }
+
+
+def bf16_matmul_speedup(n=512, repeats=5):
+    """fp32 time / bf16 time of an n x n x n matmul, best of a few interleaved: a few milliseconds."""
+    g = torch.Generator().manual_seed(0)  # its own: the global RNG (dropout, resumed runs) must not move
+    a = torch.randn(n, n, generator=g)
+    b = torch.randn(n, n, generator=g)
+    pairs = {torch.float32: (a, b), torch.bfloat16: (a.bfloat16(), b.bfloat16())}
+    best = {dtype: float("inf") for dtype in pairs}
+    for _ in range(repeats):
+        for dtype, (x, y) in pairs.items():
+            start = time.perf_counter()
+            x @ y
+            best[dtype] = min(best[dtype], time.perf_counter() - start)
+    return best[torch.float32] / best[torch.bfloat16]
+
+
+def decide_cpu(facts, speedup=None, override=None):
+    """(bf16_fast, why) for a CPU. facts: cpu_facts(); speedup: bf16_matmul_speedup(), measured only
+    when the facts leave the question open (None: not measured); override: SMALLGPT_BF16's value."""
+    seen = (f"{facts['name']}, torch {facts['capability']}, oneDNN bf16 {'yes' if facts['onednn_bf16'] else 'no'}, "
+            f"bf16 instructions {'+'.join(facts['bf16_instructions']) or 'none'}, {facts['threads']} threads")
+    if override is not None:
+        if override not in ("0", "1"):
+            raise ConfigError(f"{OVERRIDE}={override!r}: use 1 (bf16 is fast here) or 0 (it is not), or unset it")
+        return override == "1", f"{OVERRIDE}={override} ({seen})"
+    if not facts["onednn_bf16"]:
+        return False, f"oneDNN has no bf16 support here ({seen})"
+    if not facts["bf16_instructions"]:
+        return False, f"no AMX or AVX512-BF16 instructions: bf16 would be emulated ({seen})"
+    if speedup is None:
+        return False, f"bf16 matmul not measured ({seen})"
+    fast = speedup >= MIN_SPEEDUP
+    return fast, f"a bf16 matmul ran {speedup:.1f}x fp32's speed ({seen})"
+
+
+@lru_cache(maxsize=None)
+def precision(device_type):
+    """The decision for this process's device, made once."""
+    override = os.environ.get(OVERRIDE)
+    if device_type == "cuda":
+        # pre-Ampere GPUs emulate bf16: fp16 autocast there, and fp32 for Muon (fp16 overflows in it)
+        native = torch.cuda.is_bf16_supported(including_emulation=False)
+        fast = native if override is None else override == "1"
+        name = torch.cuda.get_device_name()
+        return Precision("cuda", fast, "bfloat16" if native else "float16",
+                         f"{name}: {'native' if native else 'no native'} bf16")
+    if device_type == "mps":
+        return Precision("mps", False, "float32", "MPS: fp32 (bf16 autocast on MPS not measured here)")
+    facts = cpu_facts()
+    needs_measuring = override is None and facts["onednn_bf16"] and facts["bf16_instructions"]
+    fast, why = decide_cpu(facts, bf16_matmul_speedup() if needs_measuring else None, override)
+    return Precision("cpu", fast, "bfloat16" if fast else "float32", "CPU " + why)
+
+
+def pick_dtype(name, device_type):
+    """The training compute dtype: name, or for 'auto' what precision() found fast."""
+    return precision(device_type).autocast if name == "auto" else name
+
+
+def autocast(device_type, dtype):
+    """The autocast context for a compute dtype name; float32 is no autocast at all."""
+    if dtype == "float32":
+        return nullcontext()
+    return torch.autocast(device_type, dtype=getattr(torch, dtype))
