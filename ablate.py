@@ -16,13 +16,12 @@ Every variant's keys are checked before anything trains. A finished run is not r
 one resumes. Results: out_dir/results.md and out_dir/loss_curves.png (needs matplotlib).
 """
 
-import json
 import os
 import statistics
 import sys
 from dataclasses import dataclass
 
-from checkpoint import CheckpointError, load_checkpoint
+from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_config, read_metrics
 from configurator import ConfigError, fail, keys_of, parse_dict, parse_or_exit, read_config_file
 from dataset import DataError
 from model import GPT, GPTConfig
@@ -64,8 +63,8 @@ def load_study(path):
             checked.setdefault("lr_decay_iters", None)
         try:
             train.check_config(checked)
-            GPTConfig(**{k: checked[k] for k in train.MODEL_KEYS if k != "vocab_size"})
-        except (ConfigError, ValueError) as e:
+            model_config(checked)
+        except ConfigError as e:
             fail(f"{path}: variant {name!r}: {e}")
         for seed in seeds:
             runs.append((name, seed, {**checked, "seed": seed}, explicit | {"seed", "max_iters"}))
@@ -74,7 +73,7 @@ def load_study(path):
 
 def run_one(values, explicit, out_dir, wandb):
     """Trains one variant x seed (resuming it if it was interrupted); returns 'done' or 'diverged'."""
-    ckpt_path = os.path.join(out_dir, train.CHECKPOINT)
+    ckpt_path = os.path.join(out_dir, CHECKPOINT)
     marker = os.path.join(out_dir, "diverged")
     if os.path.exists(marker):
         return "diverged"
@@ -100,7 +99,7 @@ def summarize(runs, root):
     rows = {}
     for name, seed, values, _ in runs:
         out_dir = os.path.join(root, name, f"seed{seed}")
-        records = read_records(out_dir)
+        records = read_metrics(out_dir)
         evals = [r for r in records if "val_loss" in r]
         steps = [r for r in records if "tokens_per_sec" in r]
         row = rows.setdefault(name, {"final": [], "best": [], "tps": [], "diverged": 0, "params": None,
@@ -115,18 +114,10 @@ def summarize(runs, root):
         tokens_per_step = values["batch_size"] * values["block_size"] * values["gradient_accumulation_steps"]
         row["curves"].append([(r["iter"] * tokens_per_step, r["val_loss"]) for r in evals])
         row["evals"].append(evals)
-        ckpt = os.path.join(out_dir, train.CHECKPOINT)
+        ckpt = os.path.join(out_dir, CHECKPOINT)
         if row["params"] is None and os.path.exists(ckpt):
             row["params"] = GPT(GPTConfig(**load_checkpoint(ckpt)["model_config"])).get_num_params()
     return rows
-
-
-def read_records(out_dir):
-    path = os.path.join(out_dir, train.METRICS)
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def steps_to_reach(runs, target):

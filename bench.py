@@ -15,7 +15,6 @@ both alike; ratios are medians of the per-round ratios.
 
 import copy
 import json
-import os
 import resource
 import statistics
 import sys
@@ -25,11 +24,12 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_from_checkpoint
+from checkpoint import CheckpointError, load_model, model_config
 from configurator import ConfigError, fail, keys_of, parse_or_exit
-from model import CHOICES as MODEL_CHOICES
-from model import WEIGHTS_DTYPES, GPT, GPTConfig, Int8Linear, KVCache, cuda_peak_flops, for_inference, lm_loss
-from device import autocast, cpu_facts, pick_device, pick_dtype, precision
+from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, KVCache, lm_loss
+from optim import OPTIMIZERS, build_optimizers
+from quantize import WEIGHTS_DTYPES, Int8Linear, for_inference
+from device import COMPUTE_DTYPES, DEVICES, autocast, cpu_facts, cuda_peak_flops, estimate_mfu, pick_device, pick_dtype, precision
 
 
 @dataclass
@@ -54,15 +54,14 @@ class BenchConfig:
     seed: int = 0
 
 
-CHOICES = {"dtype": ("auto", "float32", "bfloat16", "float16"), "device": ("auto", "cpu", "cuda", "mps"),
-           "weights_dtype": WEIGHTS_DTYPES, "compare": ("", "hf", "float32", "adamw"), "optimizer": ("adamw", "muon"),
+BENCH_CHOICES = {"dtype": COMPUTE_DTYPES, "device": DEVICES,
+           "weights_dtype": WEIGHTS_DTYPES, "compare": ("", "hf", "float32", "adamw"), "optimizer": tuple(OPTIMIZERS),
            "hf_dtype": ("float32", "bfloat16"), **MODEL_CHOICES}  # fmt: skip
-MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 BENCH_KEYS = [f.name for f in fields(BenchConfig)]
 
 
 def config_keys():
-    return keys_of(BenchConfig, CHOICES) + keys_of(GPTConfig, CHOICES)
+    return keys_of(BenchConfig, BENCH_CHOICES) + keys_of(GPTConfig, BENCH_CHOICES)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -128,13 +127,9 @@ def peak_memory(device):
 
 def build_model(c, device):
     if c["out_dir"]:
-        path = os.path.join(c["out_dir"], CHECKPOINT)
-        return model_from_checkpoint(load_checkpoint(path), path).to(device)
+        return load_model(c["out_dir"])[0].to(device)
     torch.manual_seed(c["seed"])
-    try:
-        return GPT(GPTConfig(**{k: c[k] for k in MODEL_KEYS})).to(device)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    return GPT(model_config(c)).to(device)
 
 
 def hf_twin(model, dtype):
@@ -150,15 +145,14 @@ def hf_twin(model, dtype):
     return twin.to(next(model.parameters()).device)
 
 
+HYPER = {"weight_decay": 0.1, "learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "muon_momentum": 0.95}
+
+
 class OurTrainStep:
     def __init__(self, model, c, device, dtype):
         self.model, self.device = model, device
         device_type = torch.device(device).type
-        if c["optimizer"] == "muon":
-            self.optimizers = model.configure_muon(0.1, 1e-4, (0.9, 0.95), device_type,
-                                                   ns_dtype=precision(device_type).newton_schulz)
-        else:
-            self.optimizers = [model.configure_optimizers(0.1, 1e-4, (0.9, 0.95), device_type)]
+        self.optimizers = build_optimizers(model, {**HYPER, "optimizer": c["optimizer"]}, device_type)
         self.autocast = autocast(device_type, dtype)
         self.forward = torch.compile(model) if c["compile"] else model
         self.z_loss = model.config.z_loss
@@ -225,7 +219,7 @@ def bench_train(model, c, device, dtype):
         "shape": f"{config.n_layer}x{config.n_embd}, T{T}, B{B}", "dtype": dtype, "optimizer": c["optimizer"],
         "ms_per_step": ms,
         "tokens_per_sec": tokens_per_sec, "flops_per_token": model.flops_per_token(T),
-        "mfu": model.estimate_mfu(tokens_per_sec, T, peak_flops=peak) if peak else None,
+        "mfu": estimate_mfu(model, tokens_per_sec, T, peak_flops=peak) if peak else None,
         "peak_flops": peak, "peak_source": "measured matmul" if measured_peak else "device table",
         "compile_seconds": compile_seconds, "rounds_ms": [t * 1000 for t in times["ours"]], **peak_memory(device),
     }  # fmt: skip
@@ -258,7 +252,7 @@ def decode_step_timer(model, context, device, n=20):
     def steps():
         cache.length = context  # the positions after it are overwritten, as on the first call
         for _ in range(n):
-            model.lm_head(model.hidden_states(token, cache)[:, -1]).argmax(-1)
+            model.decode_step(token, cache).argmax(-1)
 
     return lambda: seconds(steps, device) / n
 
@@ -293,8 +287,7 @@ def bench_sample(model, c, device):
     g = torch.Generator().manual_seed(c["seed"])
     prompt = torch.randint(config.vocab_size, (1, P), generator=g).to(device)
     runs = {
-        # what generate() does before its first token: the whole prompt, the head on its last position
-        "prefill": lambda: model.lm_head(model.hidden_states(prompt, KVCache(config.n_layer, config.block_size))[:, -1]),
+        "prefill": lambda: model.prefill(prompt, KVCache(config.n_layer, config.block_size)),
         "ours": lambda: model.generate(prompt, N, temperature=0),
     }
     if twin is not None:

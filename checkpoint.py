@@ -18,8 +18,9 @@ import zipfile
 
 import torch
 
+from configurator import ConfigError
 from dataset import atomic_write
-from model import GPT, GPTConfig
+from model import MODEL_KEYS, GPT, GPTConfig
 
 FORMAT = 1
 CHECKPOINT = "ckpt.pt"  # in out_dir
@@ -76,6 +77,31 @@ def model_from_checkpoint(state, path):
         detail = lines[1] if len(lines) > 1 else lines[0]
         raise CheckpointError(f"{path}: weights do not match its model config ({detail[:300]})") from None
     return model
+
+
+def load_model(out_dir):
+    """(model, checkpoint state) from out_dir/ckpt.pt: what sample.py, bench.py and export.py load."""
+    path = os.path.join(out_dir, CHECKPOINT)
+    state = load_checkpoint(path)
+    return model_from_checkpoint(state, path), state
+
+
+def model_config(values):
+    """The GPTConfig of a dict that holds every GPTConfig key (a script's parsed values); a config that
+    cannot work is a ConfigError, reported like any other bad key."""
+    try:
+        return GPTConfig(**{k: values[k] for k in MODEL_KEYS})
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def read_metrics(out_dir):
+    """The records of out_dir/metrics.jsonl, in order (evaluations have val_loss, steps have loss)."""
+    path = os.path.join(out_dir, METRICS)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 class RunLock:

@@ -101,7 +101,10 @@ def type_name(key):
     return f"{name} or None" if key.optional else name
 
 
-def unknown_key(name, keys, where):
+def unknown_key(name, keys, where, renamed=None):
+    """renamed: old key -> new key, for keys a script renamed (the error then names the new one)."""
+    if renamed and name in renamed:
+        return ConfigError(f"{where}: key {name!r} was renamed {renamed[name]!r}; use --{renamed[name]}=...")
     close = difflib.get_close_matches(name, keys, n=3, cutoff=0.6)
     hint = f"; did you mean {' or '.join(close)}?" if close else "; see --help for the list of keys"
     return ConfigError(f"{where}: unknown key {name!r}{hint}")
@@ -126,7 +129,7 @@ def read_config_file(path):
     }  # fmt: skip
 
 
-def parse(keys, argv):
+def parse(keys, argv, renamed=None):
     """argv: config file paths and --key=value, applied in order. Returns (values, explicit): every key's
     value and the names set by a file or the command line."""
     by_name = {k.name: k for k in keys}
@@ -138,10 +141,10 @@ def parse(keys, argv):
             if not eq:
                 raise ConfigError(f"{arg}: expected --key=value")
             if name not in by_name:
-                raise unknown_key(name, by_name, "command line")
+                raise unknown_key(name, by_name, "command line", renamed)
             assign(by_name, values, explicit, {name: parse_value(by_name[name], text)}, "command line")
         else:
-            assign(by_name, values, explicit, read_config_file(arg), f"config file {arg}")
+            assign(by_name, values, explicit, read_config_file(arg), f"config file {arg}", renamed)
     return values, explicit
 
 
@@ -153,10 +156,10 @@ def parse_dict(keys, new, where):
     return values, explicit
 
 
-def assign(by_name, values, explicit, new, where):
+def assign(by_name, values, explicit, new, where, renamed=None):
     for name, value in new.items():
         if name not in by_name:
-            raise unknown_key(name, by_name, where)
+            raise unknown_key(name, by_name, where, renamed)
         values[name] = check_value(by_name[name], value, where)
         explicit.add(name)
 
@@ -170,13 +173,13 @@ def help_text(keys, usage, about):
     return "\n".join(lines)
 
 
-def parse_or_exit(keys, argv, usage, about):
+def parse_or_exit(keys, argv, usage, about, renamed=None):
     """For scripts: --help prints every key and exits 0; a ConfigError exits 2 with its message."""
     if "-h" in argv or "--help" in argv:
         print(help_text(keys, usage, about))
         sys.exit(0)
     try:
-        return parse(keys, argv)
+        return parse(keys, argv, renamed)
     except ConfigError as e:
         fail(e)
 

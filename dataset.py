@@ -168,7 +168,7 @@ class TiktokenTokenizer:
             raise DataError(f"unknown tiktoken encoding {encoding!r}: {e}") from None
         except Exception as e:  # its files are neither cached nor downloadable
             raise DataError(f"cannot load tiktoken encoding {encoding!r} ({type(e).__name__}): without network, set "
-                            "TIKTOKEN_CACHE_DIR to a folder holding its files (README: Offline use)") from None
+                            "TIKTOKEN_CACHE_DIR to a folder holding its files (docs/guide.md: Offline use)") from None
         self.encoding = encoding
         self.vocab_size = self.enc.n_vocab
         self.eot_token = self.enc.eot_token
@@ -184,6 +184,25 @@ class TiktokenTokenizer:
 
     def meta(self):
         return {"kind": "tiktoken", "encoding": self.encoding}
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer.json (Llama-architecture models), through the `tokenizers` package."""
+
+    def __init__(self, path, eot_token=None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError(f"{path} needs the tokenizers package: pip install tokenizers") from None
+        self.tok = Tokenizer.from_file(path)
+        self.vocab_size = self.tok.get_vocab_size()
+        self.eot_token = eot_token
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self.tok.decode(list(ids))
 
 
 def tokenizer_from_meta(meta):

@@ -19,9 +19,12 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+import torch.distributed as dist
 
 from configurator import ConfigError
 
+DEVICES = ("auto", "cpu", "cuda", "mps")  # the device key's values in every script
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # the dtype key's: autocast's compute dtype
 OVERRIDE = "SMALLGPT_BF16"
 MIN_SPEEDUP = 1.5  # bf16 must beat fp32 by this much to be chosen: near 1x, fp32's precision wins
 
@@ -134,3 +137,81 @@ def autocast(device_type, dtype):
     if dtype == "float32":
         return nullcontext()
     return torch.autocast(device_type, dtype=getattr(torch, dtype))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Distributed
+
+
+class Dist:
+    """Rank, world size and the collectives this script needs; a no-op world of one without torchrun."""
+
+    def __init__(self, device_type):
+        self.enabled = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        self.rank = int(os.environ.get("RANK", 0))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.size = int(os.environ.get("WORLD_SIZE", 1))
+        if self.enabled:
+            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+        self.master = self.rank == 0
+
+    def mean(self, tensor):
+        if self.enabled:
+            tensor = tensor.clone()
+            dist.all_reduce(tensor)
+            tensor /= self.size
+        return tensor
+
+    def any(self, flag, device):
+        if not self.enabled:
+            return flag
+        t = torch.tensor([int(flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def gather(self, obj):
+        if not self.enabled:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def close(self):
+        if self.enabled:
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------------------------
+# MFU
+
+# Dense bf16/fp16 tensor-core peaks (FLOP/s), from the vendors' data sheets; matched by name, first hit.
+CUDA_PEAK_FLOPS = [
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("V100", 125e12),
+    ("T4", 65e12),
+]
+
+
+def cuda_peak_flops(device):
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in CUDA_PEAK_FLOPS if key in name), None)
+
+
+def estimate_mfu(model, tokens_per_sec, seq_len, device=None, peak_flops=None):
+    """Model FLOPs utilisation: achieved training FLOP/s over the device's peak. peak_flops wins; else a
+    CUDA device's dense bf16/fp16 tensor-core peak from the table; else (CPU, unknown GPU) None: a CPU's
+    peak must be measured (bench.py does)."""
+    if peak_flops is None and device is not None and torch.device(device).type == "cuda":
+        peak_flops = cuda_peak_flops(device)
+    if peak_flops is None:
+        return None
+    return model.flops_per_token(seq_len) * tokens_per_sec / peak_flops

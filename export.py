@@ -6,11 +6,10 @@ Llama-shaped ones. Other architectures are refused with the reason.
   python export.py --out_dir=out-shakespeare-char-cpu --hf_dir=hf-shakespeare
 """
 
-import os
 import sys
 from dataclasses import dataclass
 
-from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_from_checkpoint
+from checkpoint import CheckpointError, load_model
 from configurator import fail, keys_of, parse_or_exit
 
 
@@ -24,10 +23,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     c, _ = parse_or_exit(keys_of(ExportConfig), argv, "python export.py --out_dir=DIR --hf_dir=DIR",
                          __doc__.strip().splitlines()[0])
-    path = os.path.join(c["out_dir"], CHECKPOINT)
     try:
-        state = load_checkpoint(path)
-        model = model_from_checkpoint(state, path)
+        model, state = load_model(c["out_dir"])
         model.save_pretrained(c["hf_dir"])
     except (CheckpointError, ValueError) as e:
         fail(e)

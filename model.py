@@ -1,5 +1,5 @@
 """
-A GPT language model in one file.
+A GPT language model: the network, its KV cache and its sampling loop.
 
 Features (each chosen once, in GPTConfig):
 - positions: learned | rope | sinusoidal | alibi | none
@@ -8,27 +8,82 @@ Features (each chosen once, in GPTConfig):
 - grouped-query attention (n_kv_head < n_head), through F.scaled_dot_product_attention,
   with an explicit masked-softmax path kept as the reference
 - tied or untied LM head, GPT-2 initialisation, z-loss
-- generate(): prefill once, then one token per step with a preallocated KV cache;
-  temperature, top-k, top-p, stop token, one generator per row
-- Hugging Face GPT-2 and Llama-architecture weights in (from_pretrained) and out (save_pretrained)
-- inference weights in fp32, bf16 (a matrix-vector path for CPU decoding) or int8 weight-only (for_inference)
+- prefill() once, then decode_step() per token with a preallocated KV cache; generate() and stream()
+  around them: temperature, top-k, top-p, stop token, one generator per row
 
-Reads top to bottom: norms, positions, attention, MLPs, block, config, KV cache, sampling, model,
-inference weights, Hugging Face interop.
+Reads top to bottom: config, norms, positions, attention, MLPs, block, KV cache, sampling, model.
+Elsewhere: Hugging Face conversion (hf.py, behind from_pretrained/save_pretrained), inference weight
+formats (quantize.py), optimizers (optim.py), device and precision choices (device.py).
 """
 
-import json
+
 import math
-import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from optim import Muon, adamw
+# ----------------------------------------------------------------------------------------------------
+# Config (the allowed values of its string fields are the registries below: MODEL_CHOICES)
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024  # longest context the model sees
+    vocab_size: int = 50304  # GPT-2's 50257 rounded up to a multiple of 64
+    n_layer: int = 12
+    n_head: int = 12
+    n_kv_head: Optional[int] = None  # key/value heads; None = n_head, fewer = grouped-query attention
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in Linear layers and LayerNorms
+    pos_emb: str = "learned"  # learned | rope | sinusoidal | alibi | none
+    rope_theta: float = 10000.0
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_eps: float = 1e-5
+    mlp: str = "gelu"  # gelu | swiglu | relu2
+    mlp_hidden: Optional[int] = None  # None = 4*n_embd (gelu, relu2), 8/3*n_embd rounded up to 64 (swiglu)
+    qk_norm: bool = False  # normalise each head's queries and keys before the dot product
+    tie_embeddings: bool = True  # LM head shares the token embedding matrix
+    z_loss: float = 0.0  # coefficient of mean(logsumexp(logits)^2) added to the loss; 0 = off
+    attn_impl: str = "sdpa"  # sdpa | explicit (the reference masked softmax)
+
+    def __post_init__(self):
+        for name, allowed in MODEL_CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"GPTConfig.{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
+        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be a positive integer")
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
+            raise ValueError(f"GPTConfig.n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
+        head_dim = self.n_embd // self.n_head
+        if self.pos_emb == "rope" and head_dim % 2:
+            raise ValueError(f"GPTConfig.pos_emb='rope' needs an even head size; n_embd/n_head = {head_dim}")
+        if self.pos_emb == "sinusoidal" and self.n_embd % 2:
+            raise ValueError(f"GPTConfig.pos_emb='sinusoidal' needs an even n_embd, got {self.n_embd}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
+        if self.z_loss < 0:
+            raise ValueError(f"GPTConfig.z_loss={self.z_loss} must be >= 0 (0 turns it off)")
+        if self.norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("GPTConfig.norm_eps and GPTConfig.rope_theta must be > 0")
+        if self.mlp_hidden is None:
+            self.mlp_hidden = 64 * math.ceil(8 * self.n_embd / 3 / 64) if self.mlp == "swiglu" else 4 * self.n_embd
+        if self.mlp_hidden < 1:
+            raise ValueError(f"GPTConfig.mlp_hidden={self.mlp_hidden} must be a positive integer")
+
+
+MODEL_KEYS = [f.name for f in fields(GPTConfig)]  # every field is a key of train.py and bench.py
+
 
 # ----------------------------------------------------------------------------------------------------
 # Norms
@@ -316,6 +371,14 @@ MLPS = {
     "swiglu": SwiGLU,
 }
 
+MODEL_CHOICES = {
+    "pos_emb": tuple(POSITIONS),
+    "norm": ("layernorm", "rmsnorm"),
+    "mlp": tuple(MLPS),
+    "attn_impl": tuple(ATTENTION),
+}
+
+
 # ----------------------------------------------------------------------------------------------------
 # Block
 
@@ -331,69 +394,6 @@ class Block(nn.Module):
     def forward(self, x, positions, start, bias, kv_cache):
         x = x + self.attn(self.norm1(x), positions, start, bias, kv_cache)
         return x + self.mlp(self.norm2(x))
-
-
-# ----------------------------------------------------------------------------------------------------
-# Config
-
-CHOICES = {
-    "pos_emb": tuple(POSITIONS),
-    "norm": ("layernorm", "rmsnorm"),
-    "mlp": tuple(MLPS),
-    "attn_impl": tuple(ATTENTION),
-}
-
-
-@dataclass
-class GPTConfig:
-    block_size: int = 1024  # longest context the model sees
-    vocab_size: int = 50304  # GPT-2's 50257 rounded up to a multiple of 64
-    n_layer: int = 12
-    n_head: int = 12
-    n_kv_head: Optional[int] = None  # key/value heads; None = n_head, fewer = grouped-query attention
-    n_embd: int = 768
-    dropout: float = 0.0
-    bias: bool = True  # biases in Linear layers and LayerNorms
-    pos_emb: str = "learned"  # learned | rope | sinusoidal | alibi | none
-    rope_theta: float = 10000.0
-    norm: str = "layernorm"  # layernorm | rmsnorm
-    norm_eps: float = 1e-5
-    mlp: str = "gelu"  # gelu | swiglu | relu2
-    mlp_hidden: Optional[int] = None  # None = 4*n_embd (gelu, relu2), 8/3*n_embd rounded up to 64 (swiglu)
-    qk_norm: bool = False  # normalise each head's queries and keys before the dot product
-    tie_embeddings: bool = True  # LM head shares the token embedding matrix
-    z_loss: float = 0.0  # coefficient of mean(logsumexp(logits)^2) added to the loss; 0 = off
-    attn_impl: str = "sdpa"  # sdpa | explicit (the reference masked softmax)
-
-    def __post_init__(self):
-        for name, allowed in CHOICES.items():
-            value = getattr(self, name)
-            if value not in allowed:
-                raise ValueError(f"GPTConfig.{name}={value!r} is not one of {', '.join(map(repr, allowed))}")
-        for name in ("block_size", "vocab_size", "n_layer", "n_head", "n_embd"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name}={getattr(self, name)} must be a positive integer")
-        if self.n_kv_head is None:
-            self.n_kv_head = self.n_head
-        if self.n_embd % self.n_head:
-            raise ValueError(f"GPTConfig.n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
-            raise ValueError(f"GPTConfig.n_head={self.n_head} must be divisible by n_kv_head={self.n_kv_head}")
-        head_dim = self.n_embd // self.n_head
-        if self.pos_emb == "rope" and head_dim % 2:
-            raise ValueError(f"GPTConfig.pos_emb='rope' needs an even head size; n_embd/n_head = {head_dim}")
-        if self.pos_emb == "sinusoidal" and self.n_embd % 2:
-            raise ValueError(f"GPTConfig.pos_emb='sinusoidal' needs an even n_embd, got {self.n_embd}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
-        if self.z_loss < 0:
-            raise ValueError(f"GPTConfig.z_loss={self.z_loss} must be >= 0 (0 turns it off)")
-        if self.norm_eps <= 0 or self.rope_theta <= 0:
-            raise ValueError("GPTConfig.norm_eps and GPTConfig.rope_theta must be > 0")
-        if self.mlp_hidden is None:
-            self.mlp_hidden = 64 * math.ceil(8 * self.n_embd / 3 / 64) if self.mlp == "swiglu" else 4 * self.n_embd
-        if self.mlp_hidden < 1:
-            raise ValueError(f"GPTConfig.mlp_hidden={self.mlp_hidden} must be a positive integer")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -536,6 +536,15 @@ class GPT(nn.Module):
             kv_cache.length += T
         return self.norm_f(x)
 
+    def prefill(self, idx, kv_cache=None):
+        """The prompt idx (B, T), written into an empty kv_cache (or, without one, just run) -> the logits
+        of its last position (B, vocab): the head runs on that position only."""
+        return self.lm_head(self.hidden_states(idx, kv_cache)[:, -1])
+
+    def decode_step(self, token, kv_cache):
+        """token (B, 1) continuing the cached sequence -> its logits (B, vocab); the cache grows by one."""
+        return self.lm_head(self.hidden_states(token, kv_cache)[:, -1])
+
     @torch.no_grad()
     def generate(
         self,
@@ -577,11 +586,13 @@ class GPT(nn.Module):
         cache = KVCache(self.config.n_layer, block_size) if use_cache else None
         finished = torch.zeros(B, 1, dtype=torch.bool, device=idx.device)
         for length in range(T, T + max_new_tokens):
-            if cache is not None and length <= block_size:
-                hidden = self.hidden_states(seq[:, cache.length : length], cache)  # the prompt, then one token
+            if cache is None or length > block_size:  # recompute the window (see generate)
+                logits = self.prefill(seq[:, max(0, length - block_size) : length])
+            elif cache.length == 0:
+                logits = self.prefill(seq[:, :length], cache)
             else:
-                hidden = self.hidden_states(seq[:, max(0, length - block_size) : length])
-            token = sample_next(self.lm_head(hidden[:, -1, :]), temperature, top_k, top_p, generator)
+                logits = self.decode_step(seq[:, length - 1 : length], cache)
+            token = sample_next(logits, temperature, top_k, top_p, generator)
             if eos_token_id is not None:
                 token = token.masked_fill(finished, eos_token_id)
                 finished |= token == eos_token_id
@@ -590,393 +601,23 @@ class GPT(nn.Module):
             if eos_token_id is not None and bool(finished.all()):
                 return
 
-    # ------------------------------------------------------------------------------------------------
-    # Training helpers
-
-    def configure_optimizers(self, weight_decay, learning_rate, betas, device_type):
-        """adamw() over every trainable parameter."""
-        return adamw([p for p in self.parameters() if p.requires_grad], weight_decay, learning_rate, betas, device_type)
-
-    def configure_muon(self, weight_decay, learning_rate, betas, device_type, momentum=0.95, ns_dtype=torch.bfloat16):
-        """[Muon, AdamW]: Muon (Jordan et al. 2024: momentum orthogonalised by Newton-Schulz, in ns_dtype)
-        for the blocks' matrices, with its rate scaled to match AdamW's update size (Liu et al. 2025) so
-        one learning_rate serves both; AdamW for the embeddings, the head, norm gains and biases."""
-        hidden = {id(p) for p in self.blocks.parameters() if p.dim() == 2}
-        muon = Muon([p for p in self.blocks.parameters() if id(p) in hidden], ns_dtype=ns_dtype, lr=learning_rate,
-                    weight_decay=weight_decay, momentum=momentum, adjust_lr_fn="match_rms_adamw")
-        rest = [p for p in self.parameters() if id(p) not in hidden]
-        return [muon, adamw(rest, weight_decay, learning_rate, betas, device_type)]
-
     def flops_per_token(self, seq_len):
         """Training (forward + backward) FLOPs per token, as in the PaLM paper's appendix: 6 per matmul
         weight, plus 12 * n_layer * n_embd * T for the attention scores and their weighted sums."""
         matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         return 6 * matmul_params + 12 * self.config.n_layer * self.config.n_embd * seq_len
 
-    def estimate_mfu(self, tokens_per_sec, seq_len, device=None, peak_flops=None):
-        """Model FLOPs utilisation: achieved training FLOP/s over the device's peak. peak_flops wins;
-        else a CUDA device's dense bf16/fp16 tensor-core peak from the table; else (CPU, unknown GPU)
-        None: a CPU's peak must be measured (bench.py does)."""
-        if peak_flops is None and device is not None and torch.device(device).type == "cuda":
-            peak_flops = cuda_peak_flops(device)
-        if peak_flops is None:
-            return None
-        return self.flops_per_token(seq_len) * tokens_per_sec / peak_flops
-
-    # ------------------------------------------------------------------------------------------------
-    # Hugging Face interop
-
+    # Hugging Face interop lives in hf.py; these two keep the names nanoGPT and transformers users type.
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
-        """Loads a Hugging Face GPT2LMHeadModel or LlamaForCausalLM from a local directory (config.json
-        plus model.safetensors or pytorch_model.bin), or gpt2 / gpt2-medium / gpt2-large / gpt2-xl from
-        the Hub (needs network, or the Hugging Face cache)."""
-        directory = resolve_pretrained(name_or_dir)
-        with open(os.path.join(directory, "config.json")) as f:
-            hf_config = json.load(f)
-        kind = hf_config.get("model_type")
-        if kind not in HF_FAMILIES:
-            raise ValueError(
-                f"{directory}: model_type {kind!r} is not supported; supported: {', '.join(HF_FAMILIES)}"
-            )
-        to_config, to_ours, _, _ = HF_FAMILIES[kind]
-        config = to_config(hf_config, directory)
-        config.dropout = dropout
-        model = cls(config)
-        state = to_ours(load_hf_state_dict(directory), config)
-        if config.tie_embeddings:
-            state["lm_head.weight"] = state["tok_emb.weight"]
-        expected = model.state_dict()
-        missing, unexpected = set(expected) - set(state), set(state) - set(expected)
-        if missing or unexpected:
-            raise ValueError(
-                f"{directory}: weights do not match the config: missing {sorted(missing)[:5]}, "
-                f"unexpected {sorted(unexpected)[:5]}"
-            )
-        for key, tensor in state.items():
-            if tensor.shape != expected[key].shape:
-                raise ValueError(f"{directory}: {key} has shape {tuple(tensor.shape)}, config implies "
-                                 f"{tuple(expected[key].shape)}")
-        model.load_state_dict({k: v.float() for k, v in state.items()})
-        return model
+        """A Hugging Face GPT2LMHeadModel or LlamaForCausalLM: a local directory, or gpt2 / gpt2-medium /
+        gpt2-large / gpt2-xl from the Hub (needs network, or the Hugging Face cache)."""
+        import hf
+
+        return hf.load_pretrained(cls, name_or_dir, dropout)
 
     def save_pretrained(self, directory):
-        """Writes config.json and model.safetensors that transformers' AutoModelForCausalLM loads: a
-        GPT2LMHeadModel for GPT-2-shaped configs, a LlamaForCausalLM for Llama-shaped ones."""
-        from safetensors.torch import save_file
+        """config.json and model.safetensors that transformers' AutoModelForCausalLM loads."""
+        import hf
 
-        kind = hf_family(self.config)
-        _, _, to_hf_config, to_hf = HF_FAMILIES[kind]
-        state = {k: v.detach().to("cpu", torch.float32) for k, v in self.state_dict().items()}
-        hf_state = to_hf(state, self.config)
-        os.makedirs(directory, exist_ok=True)
-        with open(os.path.join(directory, "config.json"), "w") as f:
-            json.dump(to_hf_config(self.config), f, indent=2)
-        save_file({k: v.contiguous() for k, v in hf_state.items()}, os.path.join(directory, "model.safetensors"),
-                  metadata={"format": "pt"})
-
-
-# Dense bf16/fp16 tensor-core peaks (FLOP/s), from the vendors' data sheets; matched by name, first hit.
-CUDA_PEAK_FLOPS = [
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-    ("A10G", 70e12),
-    ("A10", 125e12),
-    ("RTX 4090", 165e12),
-    ("RTX 3090", 71e12),
-    ("V100", 125e12),
-    ("T4", 65e12),
-]
-
-
-def cuda_peak_flops(device):
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in CUDA_PEAK_FLOPS if key in name), None)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Weights for inference. Decoding one token reads every weight once, so its speed is the bytes per
-# weight and the bandwidth of the kernel that reads them.
-
-
-class MatVecLinear(nn.Linear):
-    """A Linear that computes a single row (one token being decoded) as a matrix-vector product. On CPU,
-    torch 2.13 sends a one-row bf16 linear through a matrix-matrix path that reads bf16 weights at under
-    half fp32's bytes/s; addmv reads them at 60-100% of fp32's rate (at half the bytes), so GPT-2 small
-    decodes faster in bf16 than in fp32 instead of slower (docs/research_log.md). More rows (a prefill,
-    a batch) take the usual path."""
-
-    def forward(self, x):
-        if x.numel() != x.size(-1):
-            return F.linear(x, self.weight, self.bias)
-        row = x.reshape(-1)
-        y = torch.mv(self.weight, row) if self.bias is None else torch.addmv(self.bias, self.weight, row)
-        return y.view(*x.shape[:-1], -1)
-
-
-class Int8Linear(nn.Module):
-    """A Linear for inference with its weight stored as int8 and one bf16 scale per output row
-    (symmetric, per-channel, weight-only quantisation: each weight is off by at most half a step,
-    max|row|/254, plus the scale's bf16 rounding). Activations run in bf16; the result comes back in
-    the input's dtype."""
-
-    DECODE_ROWS = 16  # up to this many rows, the int8 kernel; above (a prefill), a dequantised bf16 matmul
-
-    def __init__(self, linear):
-        super().__init__()
-        weight = linear.weight.detach().float()
-        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
-        self.register_buffer("weight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(torch.bfloat16))
-        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
-        self.register_buffer("bias", bias)
-
-    def forward(self, x):
-        rows = x.reshape(-1, x.size(-1)).to(torch.bfloat16)
-        if rows.size(0) <= self.DECODE_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scale)
-        else:  # the int8 kernel is several times slower than AMX bf16 on hundreds of rows
-            y = F.linear(rows, self.weight.to(torch.bfloat16) * self.scale[:, None])
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).view(*x.shape[:-1], -1)
-
-
-def replace_linears(model, make):
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, make(child))
-
-
-def matvec_linear(linear):
-    new = MatVecLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
-    new.weight, new.bias = linear.weight, linear.bias  # the same Parameters: a tied head stays tied
-    return new
-
-
-def quantize_int8(model):
-    """Replaces every Linear (the blocks' and the LM head) by an Int8Linear, in place; the token
-    embedding stays as it is (a lookup reads one row). For inference on CPU; returns the model."""
-    if next(model.parameters()).device.type != "cpu":
-        raise ValueError("int8 weights are for CPU inference (torch's int8 weight-only kernel); use bfloat16 on GPUs")
-    replace_linears(model, Int8Linear)
-    return model.eval()
-
-
-WEIGHTS_DTYPES = ("float32", "bfloat16", "float16", "int8")  # what for_inference takes
-
-
-def for_inference(model, weights_dtype):
-    """The model in eval mode with its weights in weights_dtype (float32, bfloat16, float16, or int8 =
-    quantize_int8), in place. bf16 on CPU decodes through MatVecLinear."""
-    if weights_dtype == "int8":
-        return quantize_int8(model)
-    model.eval().to(dtype=getattr(torch, weights_dtype))
-    if weights_dtype == "bfloat16" and next(model.parameters()).device.type == "cpu":
-        replace_linears(model, matvec_linear)
-    return model
-
-
-# ----------------------------------------------------------------------------------------------------
-# Hugging Face weight conversion. Each family: HF config -> GPTConfig, HF state -> ours, and back.
-
-GPT2_HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
-
-
-def resolve_pretrained(name_or_dir):
-    if os.path.isdir(name_or_dir):
-        return name_or_dir
-    if name_or_dir not in GPT2_HUB_NAMES:
-        raise ValueError(
-            f"{name_or_dir!r} is neither a local Hugging Face model directory nor one of {', '.join(GPT2_HUB_NAMES)}"
-        )
-    try:
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(name_or_dir, allow_patterns=["config.json", "model.safetensors"])
-    except Exception as e:  # offline, no cache, hub error: one actionable message
-        raise RuntimeError(
-            f"could not download {name_or_dir!r} from the Hugging Face Hub ({type(e).__name__}). Without "
-            "network, download it elsewhere (huggingface-cli download openai-community/"
-            f"{name_or_dir}) and pass the directory instead"
-        ) from None
-
-
-def load_hf_state_dict(directory):
-    path = os.path.join(directory, "model.safetensors")
-    if os.path.exists(path):
-        from safetensors.torch import load_file
-
-        return load_file(path)
-    path = os.path.join(directory, "pytorch_model.bin")
-    if os.path.exists(path):
-        return torch.load(path, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{directory}: no model.safetensors or pytorch_model.bin (sharded checkpoints are not supported)")
-
-
-def hf_family(config):
-    c = config
-    if c.pos_emb == "learned" and c.norm == "layernorm" and c.mlp == "gelu" and not c.qk_norm and c.n_kv_head == c.n_head:
-        return "gpt2"
-    if c.pos_emb == "rope" and c.norm == "rmsnorm" and c.mlp == "swiglu" and not c.bias and not c.qk_norm:
-        return "llama"
-    raise ValueError(
-        "this config has no Hugging Face equivalent: GPT-2 needs pos_emb='learned', norm='layernorm', "
-        "mlp='gelu', n_kv_head=n_head, qk_norm=False; Llama needs pos_emb='rope', norm='rmsnorm', "
-        f"mlp='swiglu', bias=False, qk_norm=False (got pos_emb={c.pos_emb!r}, norm={c.norm!r}, mlp={c.mlp!r}, "
-        f"bias={c.bias}, qk_norm={c.qk_norm}, n_kv_head={c.n_kv_head}, n_head={c.n_head})"
-    )
-
-
-def gpt2_config(hf, directory):
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"{directory}: GPT-2 activation {act!r} is not supported (tanh GELU only)")
-    if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
-        raise ValueError(f"{directory}: non-standard GPT-2 attention scaling is not supported")
-    return GPTConfig(
-        block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"], n_head=hf["n_head"],
-        n_embd=hf["n_embd"], bias=True, pos_emb="learned", norm="layernorm",
-        norm_eps=hf.get("layer_norm_epsilon", 1e-5), mlp="gelu", mlp_hidden=hf.get("n_inner") or 4 * hf["n_embd"],
-        tie_embeddings=hf.get("tie_word_embeddings", True),
-    )
-
-
-# our per-layer name -> GPT-2's; GPT-2 stores Linear weights transposed (its Conv1D is x @ W)
-GPT2_LAYER_KEYS = {
-    "norm1.weight": "ln_1.weight", "norm1.bias": "ln_1.bias",
-    "attn.qkv.weight": "attn.c_attn.weight", "attn.qkv.bias": "attn.c_attn.bias",
-    "attn.proj.weight": "attn.c_proj.weight", "attn.proj.bias": "attn.c_proj.bias",
-    "norm2.weight": "ln_2.weight", "norm2.bias": "ln_2.bias",
-    "mlp.fc.weight": "mlp.c_fc.weight", "mlp.fc.bias": "mlp.c_fc.bias",
-    "mlp.proj.weight": "mlp.c_proj.weight", "mlp.proj.bias": "mlp.c_proj.bias",
-}  # fmt: skip
-GPT2_TOP_KEYS = {"tok_emb.weight": "wte.weight", "positions.wpe.weight": "wpe.weight", "norm_f.weight": "ln_f.weight", "norm_f.bias": "ln_f.bias"}
-
-
-def gpt2_to_ours(hf_state, config):
-    hf_state = {k.removeprefix("transformer."): v for k, v in hf_state.items()}
-    state = {ours: hf_state[theirs] for ours, theirs in GPT2_TOP_KEYS.items()}
-    for i in range(config.n_layer):
-        for ours, theirs in GPT2_LAYER_KEYS.items():
-            w = hf_state[f"h.{i}.{theirs}"]
-            state[f"blocks.{i}.{ours}"] = w.t() if ours.endswith("weight") and w.dim() == 2 else w
-    if not config.tie_embeddings:
-        state["lm_head.weight"] = hf_state["lm_head.weight"]
-    return state
-
-
-def gpt2_from_ours(state, config):
-    hf = {f"transformer.{theirs}": bias_or_zeros(state, ours) for ours, theirs in GPT2_TOP_KEYS.items()}
-    for i in range(config.n_layer):
-        for ours, theirs in GPT2_LAYER_KEYS.items():
-            w = bias_or_zeros(state, f"blocks.{i}.{ours}")
-            hf[f"transformer.h.{i}.{theirs}"] = w.t() if w.dim() == 2 else w
-    if not config.tie_embeddings:
-        hf["lm_head.weight"] = state["lm_head.weight"]
-    return hf
-
-
-def bias_or_zeros(state, key):
-    """GPT-2 always has biases; a bias-free model exports zeros, which computes the same function."""
-    if key in state:
-        return state[key]
-    weight = state[key.removesuffix("bias") + "weight"]
-    return weight.new_zeros(weight.shape[0])
-
-
-def gpt2_hf_config(config):
-    return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
-        "n_positions": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
-        "n_head": config.n_head, "n_inner": config.mlp_hidden, "activation_function": "gelu_new",
-        "layer_norm_epsilon": config.norm_eps, "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
-        "attn_pdrop": config.dropout, "tie_word_embeddings": config.tie_embeddings, "dtype": "float32",
-    }  # fmt: skip
-
-
-def llama_config(hf, directory):
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{directory}: Llama activation {hf['hidden_act']!r} is not supported (silu only)")
-    if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError(f"{directory}: Llama with attention_bias/mlp_bias is not supported")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"{directory}: RoPE scaling {rope_type!r} is not supported (plain RoPE only)")
-    n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim", n_embd // n_head) != n_embd // n_head:
-        raise ValueError(f"{directory}: head_dim={hf['head_dim']} != hidden_size/num_attention_heads")
-    return GPTConfig(
-        block_size=hf["max_position_embeddings"], vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"],
-        n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd, bias=False,
-        pos_emb="rope", rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)), norm="rmsnorm",
-        norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu", mlp_hidden=hf["intermediate_size"],
-        tie_embeddings=hf.get("tie_word_embeddings", False),
-    )
-
-
-LLAMA_LAYER_KEYS = {
-    "norm1.weight": "input_layernorm.weight", "attn.proj.weight": "self_attn.o_proj.weight",
-    "norm2.weight": "post_attention_layernorm.weight", "mlp.proj.weight": "mlp.down_proj.weight",
-}  # fmt: skip
-# fused here, separate in Llama: our matrix is their matrices stacked along the output dimension
-LLAMA_FUSED_KEYS = {
-    "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    "mlp.fc.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-}
-
-
-def llama_to_ours(hf_state, config):
-    state = {"tok_emb.weight": hf_state["model.embed_tokens.weight"], "norm_f.weight": hf_state["model.norm.weight"]}
-    for i in range(config.n_layer):
-        for ours, theirs in LLAMA_LAYER_KEYS.items():
-            state[f"blocks.{i}.{ours}"] = hf_state[f"model.layers.{i}.{theirs}"]
-        for ours, parts in LLAMA_FUSED_KEYS.items():
-            state[f"blocks.{i}.{ours}"] = torch.cat([hf_state[f"model.layers.{i}.{p}"] for p in parts])
-    if not config.tie_embeddings:
-        state["lm_head.weight"] = hf_state["lm_head.weight"]
-    return state
-
-
-def llama_from_ours(state, config):
-    hf = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["norm_f.weight"]}
-    head_dim = config.n_embd // config.n_head
-    split_sizes = {
-        "attn.qkv.weight": [config.n_head * head_dim, config.n_kv_head * head_dim, config.n_kv_head * head_dim],
-        "mlp.fc.weight": [config.mlp_hidden, config.mlp_hidden],
-    }
-    for i in range(config.n_layer):
-        for ours, theirs in LLAMA_LAYER_KEYS.items():
-            hf[f"model.layers.{i}.{theirs}"] = state[f"blocks.{i}.{ours}"]
-        for ours, parts in LLAMA_FUSED_KEYS.items():
-            for part, tensor in zip(parts, state[f"blocks.{i}.{ours}"].split(split_sizes[ours])):
-                hf[f"model.layers.{i}.{part}"] = tensor
-    if not config.tie_embeddings:
-        hf["lm_head.weight"] = state["lm_head.weight"]
-    return hf
-
-
-def llama_hf_config(config):
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
-        "hidden_size": config.n_embd, "intermediate_size": config.mlp_hidden,
-        "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
-        "num_key_value_heads": config.n_kv_head, "head_dim": config.n_embd // config.n_head,
-        "max_position_embeddings": config.block_size, "rms_norm_eps": config.norm_eps,
-        "rope_theta": config.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": config.dropout,
-        "tie_word_embeddings": config.tie_embeddings, "dtype": "float32",
-    }  # fmt: skip
-
-
-HF_FAMILIES = {
-    "gpt2": (gpt2_config, gpt2_to_ours, gpt2_hf_config, gpt2_from_ours),
-    "llama": (llama_config, llama_to_ours, llama_hf_config, llama_from_ours),
-}
-
+        hf.save_pretrained(self, directory)

@@ -1,10 +1,14 @@
 """
-The optimizers: AdamW, and Muon with its Newton-Schulz iterations in a dtype that is fast on the device.
+The optimizers, one builder each in OPTIMIZERS (adding one: a function and a line there), the learning
+rate schedule and gradient clipping. Muon runs its Newton-Schulz iterations in a dtype that is fast on
+the device (device.py).
 """
 
 import math
 
 import torch
+
+from device import precision
 
 
 def adamw(params, weight_decay, learning_rate, betas, device_type):
@@ -75,3 +79,55 @@ def lr_scale(adjust_lr_fn, shape):
     if adjust_lr_fn in (None, "original"):
         return math.sqrt(max(1, rows / cols))
     return 1.0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Builders: (model, c, device_type) -> a list of optimizers. c holds the training config's keys
+# (learning_rate, weight_decay, beta1, beta2, muon_momentum).
+
+
+def adamw_everywhere(model, c, device_type):
+    """adamw() over every trainable parameter."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [adamw(params, c["weight_decay"], c["learning_rate"], (c["beta1"], c["beta2"]), device_type)]
+
+
+def muon_for_matrices(model, c, device_type):
+    """Muon (Jordan et al. 2024: momentum orthogonalised by Newton-Schulz) for the blocks' matrices, its
+    rate scaled to match AdamW's update size (Liu et al. 2025) so one learning_rate serves both; AdamW for
+    the embeddings, the head, norm gains and biases."""
+    hidden = {id(p) for p in model.blocks.parameters() if p.dim() == 2}
+    muon = Muon([p for p in model.blocks.parameters() if id(p) in hidden], ns_dtype=precision(device_type).newton_schulz,
+                lr=c["learning_rate"], weight_decay=c["weight_decay"], momentum=c["muon_momentum"],
+                adjust_lr_fn="match_rms_adamw")
+    rest = [p for p in model.parameters() if id(p) not in hidden]
+    return [muon, adamw(rest, c["weight_decay"], c["learning_rate"], (c["beta1"], c["beta2"]), device_type)]
+
+
+OPTIMIZERS = {"adamw": adamw_everywhere, "muon": muon_for_matrices}
+
+
+def build_optimizers(model, c, device_type):
+    return OPTIMIZERS[c["optimizer"]](model, c, device_type)
+
+
+def get_lr(it, c):
+    """Linear warmup from lr/(warmup+1) (never 0: step 0 must learn too), then a cosine down to min_lr
+    at lr_decay_iters, then min_lr."""
+    decay_iters = c["lr_decay_iters"] if c["lr_decay_iters"] is not None else c["max_iters"]
+    if it < c["warmup_iters"]:
+        return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
+    if it >= decay_iters:
+        return c["min_lr"]
+    progress = (it - c["warmup_iters"]) / max(1, decay_iters - c["warmup_iters"])
+    return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * progress)) * (c["learning_rate"] - c["min_lr"])
+
+
+def clip_gradients(parameters, max_norm):
+    """Scales the gradients so their global norm is at most max_norm (0 = leave them) and returns the norm
+    before clipping, which is what gets logged."""
+    parameters = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor

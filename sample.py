@@ -9,19 +9,19 @@ The num_samples samples run as one batch; sample i draws from its own generator 
 so sample i of a batch is exactly what a run with --seed=<seed + i> --num_samples=1 prints.
 """
 
-import json
-import os
 import sys
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_from_checkpoint
+from checkpoint import load_model
 from configurator import ConfigError, fail, keys_of, parse_or_exit
-from dataset import DataError, TiktokenTokenizer, tokenizer_from_meta
-from model import WEIGHTS_DTYPES, GPT, check_sampling_args, for_inference
-from device import pick_device, precision
+from dataset import DataError, tokenizer_from_meta
+from device import DEVICES, pick_device, precision
+from hf import pretrained_tokenizer
+from model import GPT, check_sampling_args
+from quantize import WEIGHTS_DTYPES, for_inference
 
 END_OF_TEXT = "<|endoftext|>"
 
@@ -38,53 +38,22 @@ class SampleConfig:
     top_p: Optional[float] = None  # sample from the smallest set of tokens whose probability reaches p; None = off
     seed: int = 1337  # sample i uses seed + i
     device: str = "auto"  # auto | cpu | cuda | mps
-    dtype: str = "float32"  # weights for inference: float32 | bfloat16 | float16 | int8 (CPU; quantised, see README)
+    weights_dtype: str = "float32"  # weights for inference: float32 | bfloat16 | float16 | int8 (CPU; quantised, see docs/guide.md)
     stream: bool = False  # print text as tokens arrive (needs num_samples=1)
     stop: Optional[str] = None  # end each sample before this string; <|endoftext|> = the end-of-text token
 
 
-CHOICES = {"device": ("auto", "cpu", "cuda", "mps"), "dtype": WEIGHTS_DTYPES}
+SAMPLE_CHOICES = {"device": DEVICES, "weights_dtype": WEIGHTS_DTYPES}
+RENAMED = {"dtype": "weights_dtype"}  # the weight format, named as in bench.py (dtype is the compute dtype)
 
 
-def load_model(init_from, out_dir):
-    """(model, tokenizer) from a checkpoint or a pretrained name or directory."""
+def model_and_tokenizer(init_from, out_dir):
+    """From out_dir's checkpoint, or a pretrained name or directory."""
     if init_from == "resume":
-        path = os.path.join(out_dir, CHECKPOINT)
-        state = load_checkpoint(path)
-        return model_from_checkpoint(state, path), tokenizer_from_meta(state["tokenizer"])
+        model, state = load_model(out_dir)
+        return model, tokenizer_from_meta(state["tokenizer"])
     model = GPT.from_pretrained(init_from)
     return model, pretrained_tokenizer(init_from, model)
-
-
-def pretrained_tokenizer(init_from, model):
-    """The tokenizer.json beside Hugging Face weights; GPT-2 weights without one get tiktoken's gpt2."""
-    path = os.path.join(init_from, "tokenizer.json")
-    if os.path.isdir(init_from) and os.path.exists(path):
-        with open(os.path.join(init_from, "config.json")) as f:
-            eos = json.load(f).get("eos_token_id")
-        return HFTokenizer(path, eos if isinstance(eos, int) else None)
-    if model.config.pos_emb == "learned" and model.config.vocab_size in (50257, 50304):
-        return TiktokenTokenizer("gpt2")
-    raise DataError(f"{init_from}: no tokenizer.json beside the weights; sampling needs the model's tokenizer")
-
-
-class HFTokenizer:
-    """A Hugging Face tokenizer.json (Llama-architecture models), through the `tokenizers` package."""
-
-    def __init__(self, path, eot_token=None):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise DataError(f"{path} needs the tokenizers package: pip install tokenizers") from None
-        self.tok = Tokenizer.from_file(path)
-        self.vocab_size = self.tok.get_vocab_size()
-        self.eot_token = eot_token
-
-    def encode(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids):
-        return self.tok.decode(list(ids))
 
 
 def read_prompt(start):
@@ -147,7 +116,7 @@ def decode(tokenizer, prompt_ids, ids, stop):
 
 def log_precision(c, device):
     """One line on stderr, once the input has passed its checks (bad input gets its error line alone)."""
-    print(f"precision: {c['dtype']} weights | {precision(torch.device(device).type).why}", file=sys.stderr)
+    print(f"precision: {c['weights_dtype']} weights | {precision(torch.device(device).type).why}", file=sys.stderr)
 
 
 def generate_texts(model, tokenizer, prompt, c, device):
@@ -192,8 +161,8 @@ def stream_text(model, tokenizer, prompt, c, device, write):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    c, _ = parse_or_exit(keys_of(SampleConfig, CHOICES), argv, "python sample.py [config_file ...] [--key=value ...]",
-                         __doc__.strip().splitlines()[0])
+    c, _ = parse_or_exit(keys_of(SampleConfig, SAMPLE_CHOICES), argv, "python sample.py [config_file ...] [--key=value ...]",
+                         __doc__.strip().splitlines()[0], RENAMED)
     try:
         check_sampling_args(c["max_new_tokens"], c["temperature"], c["top_k"], c["top_p"])
         if c["num_samples"] < 1:
@@ -201,8 +170,8 @@ def main(argv=None):
         if c["stream"] and c["num_samples"] != 1:
             raise ConfigError("stream=True prints one sample as it arrives: set num_samples=1")
         device = pick_device(c["device"])
-        model, tokenizer = load_model(c["init_from"], c["out_dir"])
-        model = for_inference(model.to(device=device), c["dtype"])
+        model, tokenizer = model_and_tokenizer(c["init_from"], c["out_dir"])
+        model = for_inference(model.to(device=device), c["weights_dtype"])
         prompt = read_prompt(c["start"])
         if c["stream"]:
             stream_text(model, tokenizer, prompt, c, device, lambda s: print(s, end="", flush=True))

@@ -10,7 +10,6 @@ key too. Unknown keys and wrong types exit with status 2 before anything runs.
 """
 
 import json
-import math
 import os
 import signal
 import sys
@@ -20,15 +19,16 @@ from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
 import torch
-import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
 
-import model as model_module
-from checkpoint import CHECKPOINT, METRICS, CheckpointError, RunLock, load_checkpoint, save_checkpoint
+from checkpoint import CHECKPOINT, METRICS, CheckpointError, RunLock, load_checkpoint, model_config, save_checkpoint
 from configurator import ConfigError, fail, keys_of, parse_or_exit
 from dataset import BatchSampler, DataError, open_split, read_meta
+from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
 from device import autocast as autocast_for
-from device import pick_device, pick_dtype, precision
-from model import GPT, GPTConfig, lm_loss, recording_max_attention_logit
+from hf import uses_gpt2_tokenizer
+from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, lm_loss, recording_max_attention_logit
+from optim import OPTIMIZERS, build_optimizers, clip_gradients, get_lr
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -74,16 +74,13 @@ class TrainConfig:
     wandb_run_name: str = "run"
 
 
-CHOICES = {"device": ("auto", "cpu", "cuda", "mps"), "dtype": ("auto", "float32", "bfloat16", "float16"),
-           "optimizer": ("adamw", "muon"),
-           **model_module.CHOICES}  # fmt: skip
+TRAIN_CHOICES = {"device": DEVICES, "dtype": COMPUTE_DTYPES, "optimizer": tuple(OPTIMIZERS), **MODEL_CHOICES}
 TRAIN_KEYS = [f.name for f in fields(TrainConfig)]
-MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 VOCAB_HELP = "vocabulary size; default: the dataset's (pad it, e.g. to 50304, for faster GPU matmuls)"
 
 
 def config_keys():
-    return keys_of(TrainConfig, CHOICES) + keys_of(GPTConfig, CHOICES, helps={"vocab_size": VOCAB_HELP})
+    return keys_of(TrainConfig, TRAIN_CHOICES) + keys_of(GPTConfig, TRAIN_CHOICES, helps={"vocab_size": VOCAB_HELP})
 
 
 def check_config(c):
@@ -108,18 +105,6 @@ def check_config(c):
         raise ConfigError(f"beta1={c['beta1']} and beta2={c['beta2']} must be in [0, 1)")
 
 
-def get_lr(it, c):
-    """Linear warmup from lr/(warmup+1) (never 0: step 0 must learn too), then a cosine down to min_lr
-    at lr_decay_iters, then min_lr."""
-    decay_iters = c["lr_decay_iters"] if c["lr_decay_iters"] is not None else c["max_iters"]
-    if it < c["warmup_iters"]:
-        return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
-    if it >= decay_iters:
-        return c["min_lr"]
-    progress = (it - c["warmup_iters"]) / max(1, decay_iters - c["warmup_iters"])
-    return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * progress)) * (c["learning_rate"] - c["min_lr"])
-
-
 def resolve_dataset(name):
     for candidate in (os.path.join(ROOT, "data", name), name):
         if os.path.isdir(candidate):
@@ -128,60 +113,8 @@ def resolve_dataset(name):
                     "e.g. python data/shakespeare_char/prepare.py")
 
 
-def clip_gradients(parameters, max_norm):
-    """Scales the gradients so their global norm is at most max_norm (0 = leave them) and returns the norm
-    before clipping, which is what gets logged."""
-    parameters = [p for p in parameters if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in parameters])
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, norm)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
-
-
 class NonFinite(RuntimeError):
     pass
-
-
-# ----------------------------------------------------------------------------------------------------
-# Distributed
-
-
-class Dist:
-    """Rank, world size and the collectives this script needs; a no-op world of one without torchrun."""
-
-    def __init__(self, device_type):
-        self.enabled = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        self.rank = int(os.environ.get("RANK", 0))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.world = int(os.environ.get("WORLD_SIZE", 1))
-        if self.enabled:
-            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-        self.master = self.rank == 0
-
-    def mean(self, tensor):
-        if self.enabled:
-            tensor = tensor.clone()
-            dist.all_reduce(tensor)
-            tensor /= self.world
-        return tensor
-
-    def any(self, flag, device):
-        if not self.enabled:
-            return flag
-        t = torch.tensor([int(flag)], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
-
-    def gather(self, obj):
-        if not self.enabled:
-            return [obj]
-        out = [None] * self.world
-        dist.all_gather_object(out, obj)
-        return out
-
-    def close(self):
-        if self.enabled:
-            dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -253,7 +186,28 @@ class Logger:
 # ----------------------------------------------------------------------------------------------------
 
 
-def build_model(c, explicit, data_meta, ckpt, out_dir):
+def settle_config(c, explicit):
+    """The config that runs, and the checkpoint to resume (or None). A resumed run keeps its own config
+    apart from what the command line changes; a fresh one refuses an out_dir that holds a checkpoint.
+    Defaults the user did not set are fitted to a short run; what the user wrote is only checked."""
+    ckpt_path = os.path.join(c["out_dir"], CHECKPOINT)
+    ckpt, notes = None, []
+    if c["init_from"] == "resume":
+        ckpt = load_checkpoint(ckpt_path)
+        c = {**ckpt["train_config"], **{k: c[k] for k in explicit}, "init_from": "resume"}
+    elif os.path.exists(ckpt_path) and not c["overwrite"]:
+        raise ConfigError(f"{ckpt_path} exists: continue it with --init_from=resume, or start over with "
+                          "--overwrite=True (or another --out_dir)")
+    elif "warmup_iters" not in explicit and c["warmup_iters"] > c["max_iters"]:
+        fitted = c["max_iters"] // 10
+        notes.append(f"note: warmup_iters={c['warmup_iters']} (the default) is longer than max_iters={c['max_iters']}; "
+                     f"using warmup_iters={fitted} (a tenth of the run); set it to choose")
+        c = {**c, "warmup_iters": fitted}
+    check_config(c)
+    return c, ckpt, notes
+
+
+def build_model(c, explicit, data_meta, ckpt):
     """The model for init_from, checked against the dataset's tokenizer."""
     tokenizer = data_meta["tokenizer"]
     if ckpt is not None:
@@ -264,26 +218,18 @@ def build_model(c, explicit, data_meta, ckpt, out_dir):
                               "the checkpoint (" + ", ".join(f"{k}={saved[k]!r}" for k in changed) + "); a resumed "
                               "run keeps its architecture")
         if ckpt["tokenizer"] != tokenizer:
-            raise DataError(f"dataset {c['dataset']!r} uses tokenizer {tokenizer}, but {out_dir}/{CHECKPOINT} was "
-                            f"trained with {ckpt['tokenizer']}; resume with the dataset it was trained on")
-        config = GPTConfig(**{**ckpt["model_config"], "dropout": c["dropout"]})
-        model = GPT(config)
-        return model
+            raise DataError(f"dataset {c['dataset']!r} uses tokenizer {tokenizer}, but {c['out_dir']}/{CHECKPOINT} "
+                            f"was trained with {ckpt['tokenizer']}; resume with the dataset it was trained on")
+        return GPT(GPTConfig(**{**ckpt["model_config"], "dropout": c["dropout"]}))
     if c["init_from"] == "scratch":
-        model_values = {k: c[k] for k in MODEL_KEYS}
-        if "vocab_size" not in explicit:
-            model_values["vocab_size"] = data_meta["vocab_size"]
-        try:
-            return GPT(GPTConfig(**model_values))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        vocab_size = c["vocab_size"] if "vocab_size" in explicit else data_meta["vocab_size"]
+        return GPT(model_config({**c, "vocab_size": vocab_size}))
     overridden = [k for k in explicit if k in MODEL_KEYS and k != "dropout"]
     if overridden:
         raise ConfigError(f"init_from={c['init_from']}: the pretrained model fixes {', '.join(overridden)}; "
                           "drop those keys (only dropout can change)")
     model = GPT.from_pretrained(c["init_from"], dropout=c["dropout"])
-    is_gpt2 = isinstance(model.positions, model_module.LearnedPositions)
-    if is_gpt2 and tokenizer != {"kind": "tiktoken", "encoding": "gpt2"}:
+    if uses_gpt2_tokenizer(model.config) and tokenizer != {"kind": "tiktoken", "encoding": "gpt2"}:
         raise DataError(f"GPT-2 weights need a dataset tokenized with tiktoken gpt2; {c['dataset']!r} uses {tokenizer}")
     return model
 
@@ -304,291 +250,338 @@ def main(argv=None):
     return result
 
 
-def train(c, explicit):
-    started = time.perf_counter()
+# ----------------------------------------------------------------------------------------------------
+# The pieces of a run
 
-    def elapsed():
-        return elapsed_before + time.perf_counter() - started
 
-    out_dir = c["out_dir"]
-    ckpt_path = os.path.join(out_dir, CHECKPOINT)
-    ckpt = None
-    if c["init_from"] == "resume":
-        ckpt = load_checkpoint(ckpt_path)
-        c = {**ckpt["train_config"], **{k: c[k] for k in explicit}, "init_from": "resume"}
-    elif os.path.exists(ckpt_path) and not c["overwrite"]:
-        raise ConfigError(f"{ckpt_path} exists: continue it with --init_from=resume, or start over with "
-                          "--overwrite=True (or another --out_dir)")
-    check_config(c)
+class Run:
+    """One process's share of a training run: its device and process group, data, model (wrapped for
+    compile and DDP/FSDP2), optimizers and loss scaler, with the three things a step loop does to them:
+    evaluate(), step() and the checkpoint's model/optimizer state."""
 
-    device_type = pick_device(c["device"])
-    world = Dist(device_type)
-    device = f"cuda:{world.local_rank}" if device_type == "cuda" else device_type
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    dtype = pick_dtype(c["dtype"], device_type)
-    if c["gradient_accumulation_steps"] % world.world:
-        raise ConfigError(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by "
-                          f"the number of processes ({world.world})")
-    if c["eval_iters"] % world.world:
-        raise ConfigError(f"eval_iters={c['eval_iters']} must be divisible by the number of processes ({world.world})")
-    if c["fsdp"] and not world.enabled:
-        raise ConfigError("fsdp=True needs torchrun (several processes); without it, leave fsdp=False")
-    if c["fsdp"] and c["optimizer"] == "muon":
-        raise ConfigError("optimizer=muon does not support sharded (FSDP2) parameters; use DDP (fsdp=False)")
-    micro_steps = c["gradient_accumulation_steps"] // world.world
-    torch.manual_seed(c["seed"])  # the same initial weights in every process (FSDP2 does not broadcast them)
+    def __init__(self, c, explicit, ckpt):
+        # device, processes, precision
+        self.device_type = pick_device(c["device"])
+        self.world = world = Dist(self.device_type)
+        self.device = f"cuda:{world.local_rank}" if self.device_type == "cuda" else self.device_type
+        if self.device_type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.dtype = pick_dtype(c["dtype"], self.device_type)
+        if c["gradient_accumulation_steps"] % world.size:
+            raise ConfigError(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by "
+                              f"the number of processes ({world.size})")
+        if c["eval_iters"] % world.size:
+            raise ConfigError(f"eval_iters={c['eval_iters']} must be divisible by the number of processes ({world.size})")
+        if c["fsdp"] and not world.enabled:
+            raise ConfigError("fsdp=True needs torchrun (several processes); without it, leave fsdp=False")
+        if c["fsdp"] and c["optimizer"] == "muon":
+            raise ConfigError("optimizer=muon does not support sharded (FSDP2) parameters; use DDP (fsdp=False)")
+        self.micro_steps = c["gradient_accumulation_steps"] // world.size
+        torch.manual_seed(c["seed"])  # the same initial weights in every process (FSDP2 does not broadcast them)
 
-    data_dir = resolve_dataset(c["dataset"])
-    data_meta = read_meta(data_dir)
-    model = build_model(c, explicit, data_meta, ckpt, out_dir)
-    config = model.config
-    if data_meta["vocab_size"] > config.vocab_size:
-        raise DataError(f"dataset {c['dataset']!r} has a vocabulary of {data_meta['vocab_size']}, more than the "
-                        f"model's vocab_size={config.vocab_size}")
-    c = {**c, **asdict(config)}  # what actually runs, recorded in the checkpoint
-    torch.manual_seed(c["seed"] + world.rank)  # then a dropout stream of its own per process
-    splits = {s: open_split(data_dir, s, data_meta["vocab_size"]) for s in ("train", "val")}
-    train_batches = BatchSampler(splits["train"], config.block_size, seed=c["seed"])
-    eval_batches = {s: BatchSampler(files, config.block_size, seed=0) for s, files in splits.items()}
+        # data and model
+        data_dir = resolve_dataset(c["dataset"])
+        self.data_meta = read_meta(data_dir)
+        model = build_model(c, explicit, self.data_meta, ckpt)
+        self.config = config = model.config
+        if self.data_meta["vocab_size"] > config.vocab_size:
+            raise DataError(f"dataset {c['dataset']!r} has a vocabulary of {self.data_meta['vocab_size']}, more than "
+                            f"the model's vocab_size={config.vocab_size}")
+        self.c = c = {**c, **asdict(config)}  # what actually runs, recorded in the checkpoint
+        torch.manual_seed(c["seed"] + world.rank)  # then a dropout stream of its own per process
+        splits = {s: open_split(data_dir, s, self.data_meta["vocab_size"]) for s in ("train", "val")}
+        self.train_batches = BatchSampler(splits["train"], config.block_size, seed=c["seed"])
+        self.eval_batches = {s: BatchSampler(files, config.block_size, seed=0) for s, files in splits.items()}
 
-    # Full weights load before sharding; FSDP2 then shards them in place, and the optimizer must see
-    # the sharded parameters.
-    if ckpt is not None:
-        model.load_state_dict(ckpt["model"])
-    model.to(device)
-    if c["fsdp"]:
-        from torch.distributed.fsdp import fully_shard
-
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-    betas = (c["beta1"], c["beta2"])
-    if c["optimizer"] == "muon":
-        optimizers = model.configure_muon(c["weight_decay"], c["learning_rate"], betas, device_type, c["muon_momentum"],
-                                          precision(device_type).newton_schulz)
-    else:
-        optimizers = [model.configure_optimizers(c["weight_decay"], c["learning_rate"], betas, device_type)]
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype == "float16")
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
-
-    full_state = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    start_iter, best_val, evaluated_at, metrics_bytes = 0, float("inf"), -1, None
-    elapsed_before = 0.0  # wall seconds of the run before this process (resumes add up)
-    ckpt_rng_processes = None
-    if ckpt is not None:
-        set_optimizer_state_dict(model, optimizers, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
-        if ckpt["scaler"]:
-            scaler.load_state_dict(ckpt["scaler"])
-        train_batches.load_state_dict(ckpt["sampler"])
-        rng = ckpt["rng"]
-        ckpt_rng_processes = len(rng["cpu"])
-        if ckpt_rng_processes == world.world:
-            torch.set_rng_state(rng["cpu"][world.rank])
-            if device_type == "cuda" and rng["cuda"][world.rank] is not None:
-                torch.cuda.set_rng_state(rng["cuda"][world.rank])
-        start_iter, best_val, evaluated_at = ckpt["iter_num"], ckpt["best_val_loss"], ckpt["evaluated_at"]
-        metrics_bytes, elapsed_before = ckpt["metrics_bytes"], ckpt["elapsed"]
-        del ckpt
-
-    raw_model = model
-    if c["compile"]:
-        model = torch.compile(model)
-    if world.enabled and not c["fsdp"]:
-        from torch.nn.parallel import DistributedDataParallel
-
-        # buffers (RoPE tables, ALiBi slopes) are constants: no need to sync them every forward
-        model = DistributedDataParallel(model, device_ids=[world.local_rank] if device_type == "cuda" else None,
-                                        forward_sync_buffers=False)
-    autocast = autocast_for(device_type, dtype)
-    pin = device_type == "cuda"
-
-    def to_device(t):
-        return t.pin_memory().to(device, non_blocking=True) if pin else t.to(device)
-
-    def grad_sync(enabled):
-        """Gradients are all-reduced only on the last micro-step of an accumulation."""
+        # Full weights load before sharding; FSDP2 then shards them in place, and the optimizer must see
+        # the sharded parameters.
+        if ckpt is not None:
+            model.load_state_dict(ckpt["model"])
+        model.to(self.device)
         if c["fsdp"]:
-            model.set_requires_gradient_sync(enabled)
-        elif world.enabled and not enabled:
-            return model.no_sync()
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+        self.raw_model = model
+        self.optimizers = build_optimizers(model, c, self.device_type)
+        self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
+        self.autocast = autocast_for(self.device_type, self.dtype)
+        self.pin = self.device_type == "cuda"
+
+    def wrap(self):
+        """torch.compile and DDP around the model, once its state is restored."""
+        self.model = torch.compile(self.raw_model) if self.c["compile"] else self.raw_model
+        if self.world.enabled and not self.c["fsdp"]:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # buffers (RoPE tables, ALiBi slopes) are constants: no need to sync them every forward
+            device_ids = [self.world.local_rank] if self.device_type == "cuda" else None
+            self.model = DistributedDataParallel(self.model, device_ids=device_ids, forward_sync_buffers=False)
+
+    def to_device(self, t):
+        return t.pin_memory().to(self.device, non_blocking=True) if self.pin else t.to(self.device)
+
+    def grad_sync(self, enabled):
+        """Gradients are all-reduced only on the last micro-step of an accumulation."""
+        if self.c["fsdp"]:
+            self.model.set_requires_gradient_sync(enabled)
+        elif self.world.enabled and not enabled:
+            return self.model.no_sync()
         return nullcontext()
 
     @torch.no_grad()
-    def evaluate():
+    def evaluate(self):
         """Mean cross-entropy (no z-loss) over eval_iters batches per split. The batches come from a
         generator seeded the same way at every evaluation: evaluations compare like with like, and
         none of them moves the training RNG, so resuming stays exact."""
-        model.eval()
+        c, world = self.c, self.world
+        self.model.eval()
         result = {}
-        for i, (split, sampler) in enumerate(eval_batches.items()):
+        for i, (split, sampler) in enumerate(self.eval_batches.items()):
             sampler.generator.manual_seed(c["seed"] + 1 + i)
-            total = torch.zeros((), device=device)
+            total = torch.zeros((), device=self.device)
             for k in range(c["eval_iters"]):
                 x, y = sampler.sample(c["batch_size"])
-                if k % world.world != world.rank:
+                if k % world.size != world.rank:
                     continue
-                with autocast:
-                    logits, _ = model(to_device(x))
-                total += lm_loss(logits, to_device(y))[1].float()
-            result[split] = (world.mean(total) * world.world / c["eval_iters"]).item()
+                with self.autocast:
+                    logits, _ = self.model(self.to_device(x))
+                total += lm_loss(logits, self.to_device(y))[1].float()
+            result[split] = (world.mean(total) * world.size / c["eval_iters"]).item()
         if c["log_stability"]:  # on one val batch: the instabilities' two symptoms
-            x, _ = eval_batches["val"].sample(c["batch_size"])
-            with recording_max_attention_logit(raw_model) as logits_max, autocast:
-                logits, _ = raw_model(to_device(x))
+            x, _ = self.eval_batches["val"].sample(c["batch_size"])
+            with recording_max_attention_logit(self.raw_model) as logits_max, self.autocast:
+                logits, _ = self.raw_model(self.to_device(x))
             result["max_attn_logit"] = world.mean(torch.stack(logits_max).max()).item()
             result["mean_log_z"] = world.mean(torch.logsumexp(logits.float(), dim=-1).mean()).item()
-        model.train()
+        self.model.train()
         return result
 
-    def checkpoint(iter_num):
-        model_state, optim_state = get_state_dict(raw_model, optimizers, options=full_state)
-        rng = world.gather((torch.get_rng_state(), torch.cuda.get_rng_state() if device_type == "cuda" else None))
-        if not world.master:
+    def step(self, iter_num, lr, first_bad):
+        """One optimizer step over gradient_accumulation_steps micro-batches. Returns the summed loss and
+        cross-entropy (on the device: no host sync), the gradient norm, the updated first-bad-step tensor
+        and whether the step was skipped as non-finite."""
+        c, world, micro_steps = self.c, self.world, self.micro_steps
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        x_all, y_all = self.train_batches.sample(c["gradient_accumulation_steps"] * c["batch_size"])
+        loss_sum = torch.zeros((), device=self.device)
+        ce_sum = torch.zeros((), device=self.device)
+        for micro in range(micro_steps):
+            rows = slice((world.rank * micro_steps + micro) * c["batch_size"],
+                         (world.rank * micro_steps + micro + 1) * c["batch_size"])  # fmt: skip
+            x, y = self.to_device(x_all[rows]), self.to_device(y_all[rows])
+            with self.grad_sync(micro == micro_steps - 1):
+                with self.autocast:
+                    logits, _ = self.model(x)
+                loss, ce = lm_loss(logits, y, self.config.z_loss)
+                self.scaler.scale(loss / micro_steps).backward()
+            loss_sum += loss.detach()
+            ce_sum += ce.detach()
+        for optimizer in self.optimizers:
+            self.scaler.unscale_(optimizer)
+        grad_norm = clip_gradients(self.raw_model.parameters(), c["grad_clip"])
+        # with fp16 an infinite gradient is the GradScaler's business: it skips the step and rescales
+        finite = torch.isfinite(loss_sum) if self.scaler.is_enabled() else torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
+        skipped = False
+        if c["skip_nonfinite"]:
+            skipped = not bool(finite.item())  # deciding needs the value now: one host sync per step
+        else:
+            first_bad = torch.where(~finite & (first_bad < 0), iter_num, first_bad)
+        if not skipped:
+            for optimizer in self.optimizers:
+                self.scaler.step(optimizer)
+        self.scaler.update()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        return loss_sum, ce_sum, grad_norm, first_bad, skipped
+
+
+class RunState:
+    """Where a run stands, beside its weights and optimizer: the step, the best val loss, the step last
+    evaluated, the batch sampler's position, every process's RNG, how much of metrics.jsonl belongs to
+    the checkpoint and the wall time so far. save() and restore() sit side by side: the keys once."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.iter_num, self.best_val, self.evaluated_at = 0, float("inf"), -1
+        self.metrics_bytes, self.elapsed_before, self.rng_processes = None, 0.0, None
+
+    def elapsed(self):
+        return self.elapsed_before + time.perf_counter() - self.started
+
+    def restore(self, ckpt, run):
+        set_optimizer_state_dict(run.raw_model, run.optimizers, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
+        if ckpt["scaler"]:
+            run.scaler.load_state_dict(ckpt["scaler"])
+        run.train_batches.load_state_dict(ckpt["sampler"])
+        rng = ckpt["rng"]
+        self.rng_processes = len(rng["cpu"])
+        if self.rng_processes == run.world.size:
+            torch.set_rng_state(rng["cpu"][run.world.rank])
+            if run.device_type == "cuda" and rng["cuda"][run.world.rank] is not None:
+                torch.cuda.set_rng_state(rng["cuda"][run.world.rank])
+        self.iter_num, self.best_val, self.evaluated_at = ckpt["iter_num"], ckpt["best_val_loss"], ckpt["evaluated_at"]
+        self.metrics_bytes, self.elapsed_before = ckpt["metrics_bytes"], ckpt["elapsed"]
+
+    def save(self, run, path, logger):
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optim_state = get_state_dict(run.raw_model, run.optimizers, options=options)
+        cuda = run.device_type == "cuda"
+        rng = run.world.gather((torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None))
+        if not run.world.master:
             return
         state = {
             "format": 1, "model": model_state, "optimizer": optim_state,
-            "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-            "model_config": asdict(config), "train_config": {k: c[k] for k in TRAIN_KEYS + MODEL_KEYS},
-            "tokenizer": data_meta["tokenizer"], "iter_num": iter_num, "best_val_loss": best_val,
-            "evaluated_at": evaluated_at, "sampler": train_batches.state_dict(),
+            "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
+            "model_config": asdict(run.config), "train_config": {k: run.c[k] for k in TRAIN_KEYS + MODEL_KEYS},
+            "tokenizer": run.data_meta["tokenizer"], "iter_num": self.iter_num, "best_val_loss": self.best_val,
+            "evaluated_at": self.evaluated_at, "sampler": run.train_batches.state_dict(),
             "rng": {"cpu": [r[0] for r in rng], "cuda": [r[1] for r in rng]},
-            "metrics_bytes": logger.durable_size(), "elapsed": elapsed(),
+            "metrics_bytes": logger.durable_size(), "elapsed": self.elapsed(),
         }  # fmt: skip
-        save_checkpoint(ckpt_path, state)
+        save_checkpoint(path, state)
+
+
+class StopRequest:
+    """SIGINT/SIGTERM: the first asks the loop to stop after this step (it saves a checkpoint), the
+    second aborts at once. Installed while the loop runs; the old handlers come back on close()."""
+
+    def __init__(self, logger):
+        self.logger, self.signum = logger, None
+        self.previous = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def on_signal(self, signum, frame):
+        if self.signum is not None:  # a second Ctrl-C: the user wants out now
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.logger.print(f"{signal.Signals(signum).name}: stopping after this iteration (again to abort at once)")
+
+    def close(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def check_finite(first_bad, ckpt_path):
+    bad = int(first_bad.item())
+    if bad >= 0:
+        raise NonFinite(f"non-finite loss or gradient norm at iteration {bad}; stopped without saving, so "
+                        f"{ckpt_path} still holds the last good state (lower learning_rate, or "
+                        "skip_nonfinite=True to skip such steps)")
+
+
+def step_record(run, iter_num, lr, loss_sum, ce_sum, grad_norm, skipped, seconds, steps, elapsed):
+    """The log record and line of a step (the only host sync of a step happens here)."""
+    config, world = run.config, run.world
+    loss = world.mean(loss_sum / run.micro_steps).item()
+    ce = world.mean(ce_sum / run.micro_steps).item()
+    tokens_per_sec = steps * run.c["gradient_accumulation_steps"] * run.c["batch_size"] * config.block_size / max(seconds, 1e-9)
+    mfu = estimate_mfu(run.raw_model, tokens_per_sec / world.size, config.block_size, run.device)
+    record = {"iter": iter_num, "loss": loss, "ce": ce, "lr": lr, "grad_norm": grad_norm.item(),
+              "tokens_per_sec": tokens_per_sec, "ms_per_iter": 1000 * seconds / steps, "elapsed": elapsed}
+    if config.z_loss > 0:
+        record["z_loss_term"] = loss - ce
+    if mfu is not None:
+        record["mfu"] = mfu
+    if skipped:
+        record["skipped"] = True
+    line = (f"iter {iter_num}: loss {loss:.4f}" + (f" (ce {ce:.4f})" if config.z_loss else "")
+            + f", lr {lr:.2e}, grad norm {record['grad_norm']:.3f}, {tokens_per_sec:,.0f} tok/s"
+            + (f", mfu {100 * mfu:.1f}%" if mfu is not None else ""))
+    return record, line
+
+
+# ----------------------------------------------------------------------------------------------------
+# The recipe
+
+
+def train(c, explicit):
+    state = RunState()
+    c, ckpt, notes = settle_config(c, explicit)
+    ckpt_path = os.path.join(c["out_dir"], CHECKPOINT)
+    run = Run(c, explicit, ckpt)
+    c, world = run.c, run.world
+    if ckpt is not None:
+        state.restore(ckpt, run)
+        del ckpt
+    start_iter = state.iter_num
+    run.wrap()
 
     # one run per out_dir; taken only now, so input that fails the checks above leaves nothing behind
-    lock = RunLock(out_dir).acquire() if world.master else None
-    logger = Logger(c, out_dir, start_iter, metrics_bytes, world.master)
-    fast = precision(device_type)
+    lock = RunLock(c["out_dir"]).acquire() if world.master else None
+    logger = Logger(c, c["out_dir"], state.iter_num, state.metrics_bytes, world.master)
+    fast = precision(run.device_type)
     muon_dtype = f", Muon's Newton-Schulz in {str(fast.newton_schulz).removeprefix('torch.')}" if c["optimizer"] == "muon" else ""
-    logger.print(f"precision: {dtype} ({'chosen' if c['dtype'] == 'auto' else 'as set'}){muon_dtype} | {fast.why}")
-    if ckpt_rng_processes and ckpt_rng_processes != world.world:
-        logger.print(f"note: the checkpoint comes from {ckpt_rng_processes} process(es), this run has {world.world}: "
+    logger.print(f"precision: {run.dtype} ({'chosen' if c['dtype'] == 'auto' else 'as set'}){muon_dtype} | {fast.why}")
+    for note in notes:
+        logger.print(note)
+    if state.rng_processes and state.rng_processes != world.size:
+        logger.print(f"note: the checkpoint comes from {state.rng_processes} process(es), this run has {world.size}: "
                      "batches continue exactly, dropout's random streams start afresh")
     if lock is not None and lock.took_over:
         logger.print(f"took over the lock of a run that ended without releasing it: {lock.took_over}")
-    tokens_per_iter = c["gradient_accumulation_steps"] * c["batch_size"] * config.block_size
-    logger.print(f"{raw_model.get_num_params():,} parameters | {device} {dtype} | {world.world} process(es) | "
-                 f"{tokens_per_iter:,} tokens per step | steps {start_iter} -> {c['max_iters']}")
+    tokens_per_iter = c["gradient_accumulation_steps"] * c["batch_size"] * run.config.block_size
+    logger.print(f"{run.raw_model.get_num_params():,} parameters | {run.device} {run.dtype} | {world.size} process(es) | "
+                 f"{tokens_per_iter:,} tokens per step | steps {state.iter_num} -> {c['max_iters']}")
 
-    stop_signal = []
-
-    def on_signal(signum, frame):
-        if stop_signal:  # a second Ctrl-C: the user wants out now
-            raise KeyboardInterrupt
-        stop_signal.append(signum)
-        logger.print(f"{signal.Signals(signum).name}: stopping after this iteration (again to abort at once)")
-
-    handlers = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    first_bad = torch.full((), -1, dtype=torch.long, device=device)  # first non-finite step, kept on the device
-
-    def check_finite():
-        bad = int(first_bad.item())
-        if bad >= 0:
-            raise NonFinite(f"non-finite loss or gradient norm at iteration {bad}; stopped without saving, so "
-                            f"{ckpt_path} still holds the last good state (lower learning_rate, or "
-                            "skip_nonfinite=True to skip such steps)")
-
+    stop = StopRequest(logger)
+    first_bad = torch.full((), -1, dtype=torch.long, device=run.device)  # first non-finite step, kept on the device
     try:
-        raw_model.train()
-        iter_num = start_iter
-        last_log_time, last_log_iter = time.perf_counter(), start_iter
+        run.raw_model.train()
+        last_log_time, last_log_iter = time.perf_counter(), state.iter_num
         while True:
-            if (iter_num % c["eval_interval"] == 0 or iter_num == c["max_iters"]) and evaluated_at != iter_num:
-                check_finite()
-                losses = evaluate()
-                evaluated_at = iter_num
-                improved = losses["val"] < best_val
-                best_val = min(best_val, losses["val"])
-                logger.log({"iter": iter_num, **{f"{k}_loss" if k in ("train", "val") else k: v
-                                                  for k, v in losses.items()}, "elapsed": elapsed()},
-                           f"eval {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+            # evaluate (and checkpoint) every eval_interval steps and at the end
+            it = state.iter_num
+            if (it % c["eval_interval"] == 0 or it == c["max_iters"]) and state.evaluated_at != it:
+                check_finite(first_bad, ckpt_path)
+                losses = run.evaluate()
+                state.evaluated_at = it
+                improved = losses["val"] < state.best_val
+                state.best_val = min(state.best_val, losses["val"])
+                logger.log({"iter": it, **{f"{k}_loss" if k in ("train", "val") else k: v for k, v in losses.items()},
+                            "elapsed": state.elapsed()},
+                           f"eval {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                            + (" (best)" if improved else ""))
-                if iter_num > start_iter and (improved or c["always_save_checkpoint"]):
-                    checkpoint(iter_num)
-                last_log_time, last_log_iter = time.perf_counter(), iter_num  # evaluation is not throughput
-            if iter_num >= c["max_iters"]:
+                if it > start_iter and (improved or c["always_save_checkpoint"]):
+                    state.save(run, ckpt_path, logger)
+                last_log_time, last_log_iter = time.perf_counter(), it  # evaluation is not throughput
+            if it >= c["max_iters"]:
                 break
 
-            lr = get_lr(iter_num, c)
-            for optimizer in optimizers:
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-            x_all, y_all = train_batches.sample(c["gradient_accumulation_steps"] * c["batch_size"])
-            loss_sum = torch.zeros((), device=device)
-            ce_sum = torch.zeros((), device=device)
-            for micro in range(micro_steps):
-                rows = slice((world.rank * micro_steps + micro) * c["batch_size"],
-                             (world.rank * micro_steps + micro + 1) * c["batch_size"])  # fmt: skip
-                x, y = to_device(x_all[rows]), to_device(y_all[rows])
-                with grad_sync(micro == micro_steps - 1):
-                    with autocast:
-                        logits, _ = model(x)
-                    loss, ce = lm_loss(logits, y, config.z_loss)
-                    scaler.scale(loss / micro_steps).backward()
-                loss_sum += loss.detach()
-                ce_sum += ce.detach()
-            for optimizer in optimizers:
-                scaler.unscale_(optimizer)
-            grad_norm = clip_gradients(raw_model.parameters(), c["grad_clip"])
-            # with fp16 an infinite gradient is the GradScaler's business: it skips the step and rescales
-            bad = ~torch.isfinite(loss_sum) if scaler.is_enabled() else ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
-            skipped = False
-            if c["skip_nonfinite"]:
-                skipped = bool(bad.item())  # deciding needs the value now: one host sync per step
-            else:
-                first_bad = torch.where(bad & (first_bad < 0), iter_num, first_bad)
+            # one optimizer step, logged every log_interval steps
+            lr = get_lr(it, c)
+            loss_sum, ce_sum, grad_norm, first_bad, skipped = run.step(it, lr, first_bad)
             if skipped:
-                logger.print(f"iteration {iter_num}: non-finite loss or gradient norm, step skipped")
-            else:
-                for optimizer in optimizers:
-                    scaler.step(optimizer)
-            scaler.update()
-            for optimizer in optimizers:
-                optimizer.zero_grad(set_to_none=True)
+                logger.print(f"iteration {it}: non-finite loss or gradient norm, step skipped")
             logger.step()
-
-            if iter_num % c["log_interval"] == 0 or iter_num == c["max_iters"] - 1:
-                loss_val = world.mean(loss_sum / micro_steps).item()  # the only host sync of a step
-                ce_val = world.mean(ce_sum / micro_steps).item()
-                check_finite()
+            if it % c["log_interval"] == 0 or it == c["max_iters"] - 1:
                 now = time.perf_counter()
-                steps = iter_num + 1 - last_log_iter
-                tokens_per_sec = steps * tokens_per_iter / max(now - last_log_time, 1e-9)
-                mfu = raw_model.estimate_mfu(tokens_per_sec / world.world, config.block_size, device)
-                record = {"iter": iter_num, "loss": loss_val, "ce": ce_val, "lr": lr, "grad_norm": grad_norm.item(),
-                          "tokens_per_sec": tokens_per_sec, "ms_per_iter": 1000 * (now - last_log_time) / steps,
-                          "elapsed": elapsed()}
-                if config.z_loss > 0:
-                    record["z_loss_term"] = loss_val - ce_val
-                if mfu is not None:
-                    record["mfu"] = mfu
-                if skipped:
-                    record["skipped"] = True
-                logger.log(record, f"iter {iter_num}: loss {loss_val:.4f}" + (f" (ce {ce_val:.4f})" if config.z_loss else "")
-                           + f", lr {lr:.2e}, grad norm {record['grad_norm']:.3f}, {tokens_per_sec:,.0f} tok/s"
-                           + (f", mfu {100 * mfu:.1f}%" if mfu is not None else ""))
-                last_log_time, last_log_iter = now, iter_num + 1
-            iter_num += 1
+                record, line = step_record(run, it, lr, loss_sum, ce_sum, grad_norm, skipped, now - last_log_time,
+                                           it + 1 - last_log_iter, state.elapsed())
+                check_finite(first_bad, ckpt_path)
+                logger.log(record, line)
+                last_log_time, last_log_iter = now, it + 1
+            state.iter_num = it + 1
 
             # every process must stop after the same step: agree on it (one small all-reduce per step
             # under torchrun; nothing in a single process)
-            if world.any(bool(stop_signal), device):
-                check_finite()
-                signum = stop_signal[0] if stop_signal else signal.SIGTERM
+            if world.any(stop.signum is not None, run.device):
+                check_finite(first_bad, ckpt_path)
                 if c["always_save_checkpoint"]:
-                    checkpoint(iter_num)
-                    logger.print(f"saved {ckpt_path} at iteration {iter_num}; continue with --init_from=resume")
+                    state.save(run, ckpt_path, logger)
+                    logger.print(f"saved {ckpt_path} at iteration {state.iter_num}; continue with --init_from=resume")
                 else:
                     logger.print(f"always_save_checkpoint=False: {ckpt_path} keeps the best state, not this one")
-                return {"iter": iter_num, "signal": int(signum), "best_val_loss": best_val}
-        return {"iter": iter_num, "signal": None, "best_val_loss": best_val}
+                signum = stop.signum if stop.signum is not None else signal.SIGTERM
+                return {"iter": state.iter_num, "signal": int(signum), "best_val_loss": state.best_val}
+        return {"iter": state.iter_num, "signal": None, "best_val_loss": state.best_val}
     finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
+        stop.close()
         logger.close()
         world.close()
         if lock is not None:

@@ -14,11 +14,12 @@ if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED_DATA / "tiktoken_cache").i
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED_DATA / "tiktoken_cache")
 sys.path.insert(0, str(ROOT))
 
-import json  # noqa: E402
 import random  # noqa: E402
 import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
+
+from checkpoint import read_metrics  # noqa: E402, F401  (the tests import it from here)
 
 WORDS = ("the king queen lord speak thou thee hath doth love death night day fair sweet good noble heart blood "
          "sword crown honour friend enemy war peace heaven earth fire water gentle cruel young old man woman").split()
@@ -49,11 +50,6 @@ TINY_RUN = [
     "--eval_interval=5", "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3", "--min_lr=3e-4",
     "--dtype=float32", "--device=cpu",
 ]  # fmt: skip
-
-
-def read_metrics(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def run_script(*args, timeout=300, env=None, **kwargs):

@@ -4,8 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import (GPT, GPTConfig, Int8Linear, KVCache, MatVecLinear, RotaryPositions, alibi_slopes, filter_logits,
-                   for_inference, gelu_tanh, gelu_tanh_as_sigmoid, lm_loss, quantize_int8, sample_next)
+from device import estimate_mfu
+from model import (GPT, GPTConfig, KVCache, RotaryPositions, alibi_slopes, filter_logits, gelu_tanh,
+                   gelu_tanh_as_sigmoid, lm_loss, sample_next)
+from optim import adamw_everywhere
+from quantize import Int8Linear, MatVecLinear, for_inference, quantize_int8
 
 SCHEMES = ["learned", "rope", "sinusoidal", "alibi", "none"]
 
@@ -80,7 +83,7 @@ def test_tied_and_untied_head():
 
 def test_optimizer_decays_matrices_only():
     model = build(mlp="swiglu", norm="rmsnorm", qk_norm=True)
-    opt = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    (opt,) = adamw_everywhere(model, {"weight_decay": 0.1, "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95}, "cpu")
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
@@ -293,11 +296,11 @@ def test_per_row_generators_match_single_rows():
 
 def test_estimate_mfu():
     model = build()
-    assert model.estimate_mfu(1000.0, 32, device="cpu") is None
+    assert estimate_mfu(model, 1000.0, 32, device="cpu") is None
     flops = model.flops_per_token(32)
     matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert flops == 6 * matmul + 12 * 2 * 32 * 32
-    assert model.estimate_mfu(1000.0, 32, peak_flops=flops * 2000.0) == pytest.approx(0.5)
+    assert estimate_mfu(model, 1000.0, 32, peak_flops=flops * 2000.0) == pytest.approx(0.5)
 
 
 def test_recorded_attention_logit_is_the_largest_causal_score():
@@ -334,13 +337,15 @@ def test_gelu_tanh_is_the_same_function_compiled_or_not():
 # Inference weights: bf16 through MatVecLinear, int8
 
 
+@pytest.mark.parametrize("fuse_bias", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matvec_linear_computes_what_linear_does(bias, dtype):
+def test_matvec_linear_computes_what_linear_does(bias, dtype, fuse_bias):
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 40, bias=bias).to(dtype)
     matvec = MatVecLinear(96, 40, bias=bias).to(dtype)
     matvec.load_state_dict(linear.state_dict())
+    matvec.fuse_bias = fuse_bias
     exact = lambda x: F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.02, rtol=0.02)
     for shape in [(1, 1, 96), (1, 96), (96,), (2, 3, 96)]:  # one row (matrix-vector), then several (F.linear)

@@ -13,7 +13,7 @@ def sample_config(**overrides):
 
 @pytest.fixture(scope="module")
 def loaded(trained_run):
-    model, tokenizer = sample.load_model("resume", trained_run)
+    model, tokenizer = sample.model_and_tokenizer("resume", trained_run)
     return model.eval(), tokenizer
 
 
@@ -63,7 +63,7 @@ def test_cli_prints_prompt_and_samples(trained_run):
 
 def test_int8_weights_sample(trained_run):
     result = run_script("sample.py", f"--out_dir={trained_run}", "--start=The king", "--num_samples=2",
-                        "--max_new_tokens=20", "--device=cpu", "--dtype=int8")
+                        "--max_new_tokens=20", "--device=cpu", "--weights_dtype=int8")
     assert result.returncode == 0, result.stderr
     assert [s.startswith("The king") for s in result.stdout.split("---------------\n")] == [True, True, False]
 
@@ -88,6 +88,7 @@ def test_file_prompt(trained_run, tmp_path, loaded):
         (["--stream=True", "--num_samples=2"], "set num_samples=1"),
         (["--stop=<|endoftext|>"], "this tokenizer has no end-of-text token"),
         (["--temprature=0.5"], "unknown key 'temprature'; did you mean temperature"),
+        (["--dtype=int8"], "key 'dtype' was renamed 'weights_dtype'; use --weights_dtype=..."),
     ],
 )
 def test_bad_input_exits_2(trained_run, args, message, capsys):

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import optim
 import train
 from checkpoint import load_checkpoint
 from conftest import ROOT, TINY_RUN, read_metrics, run_script
@@ -98,14 +99,14 @@ def test_config_file_then_overrides_in_order(tmp_path):
 
 def test_learning_rate_schedule():
     c = dict(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, max_iters=200)
-    assert train.get_lr(0, c) == pytest.approx(1 / 11)  # not zero at step 0
-    assert train.get_lr(4, c) == pytest.approx(5 / 11)
-    assert train.get_lr(10, c) == pytest.approx(1.0)  # peak right after warmup
-    assert train.get_lr(60, c) == pytest.approx(0.55)  # half way down the cosine
-    assert train.get_lr(85, c) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.75)))
-    assert train.get_lr(110, c) == pytest.approx(0.1)
-    assert train.get_lr(150, c) == pytest.approx(0.1)
-    assert train.get_lr(50, dict(c, lr_decay_iters=None)) == pytest.approx(
+    assert optim.get_lr(0, c) == pytest.approx(1 / 11)  # not zero at step 0
+    assert optim.get_lr(4, c) == pytest.approx(5 / 11)
+    assert optim.get_lr(10, c) == pytest.approx(1.0)  # peak right after warmup
+    assert optim.get_lr(60, c) == pytest.approx(0.55)  # half way down the cosine
+    assert optim.get_lr(85, c) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.75)))
+    assert optim.get_lr(110, c) == pytest.approx(0.1)
+    assert optim.get_lr(150, c) == pytest.approx(0.1)
+    assert optim.get_lr(50, dict(c, lr_decay_iters=None)) == pytest.approx(
         0.1 + 0.45 * (1 + math.cos(math.pi * 40 / 190)))  # None decays over max_iters
 
 
@@ -113,12 +114,12 @@ def test_clip_gradients_scales_to_max_norm_and_returns_pre_clip_norm():
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
     params[0].grad = torch.tensor([3.0, 0.0, 0.0])
     params[1].grad = torch.tensor([[0.0, 4.0], [0.0, 0.0]])
-    norm = train.clip_gradients(params, 1.0)
+    norm = optim.clip_gradients(params, 1.0)
     assert norm.item() == pytest.approx(5.0)
     assert torch.cat([p.grad.flatten() for p in params]).norm().item() == pytest.approx(1.0, rel=1e-5)
     assert params[0].grad[0].item() == pytest.approx(0.6, rel=1e-5)
-    assert train.clip_gradients(params, 10.0).item() == pytest.approx(1.0, rel=1e-5)  # below max: unchanged
-    assert train.clip_gradients(params, 0.0).item() == pytest.approx(1.0, rel=1e-5)
+    assert optim.clip_gradients(params, 10.0).item() == pytest.approx(1.0, rel=1e-5)  # below max: unchanged
+    assert optim.clip_gradients(params, 0.0).item() == pytest.approx(1.0, rel=1e-5)
 
 
 def test_logged_grad_norm_is_pre_clip(tmp_path, char_dataset):
@@ -272,3 +273,15 @@ def test_wandb_offline_logs_the_run(tmp_path, char_dataset, monkeypatch):
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
     assert read_metrics(tmp_path / "out")  # the local metrics file is written all the same
+
+
+def test_a_short_run_fits_the_default_warmup(tmp_path, char_dataset, capsys):
+    """nanoGPT users type --max_iters=60: the default warmup_iters (100) is fitted, with a note;
+    a warmup the user wrote is never changed (tests/test_reliability.py: refused)."""
+    args = [a for a in TINY_RUN if not a.startswith("--warmup_iters")]
+    train.main([*args, f"--dataset={char_dataset}", f"--out_dir={tmp_path}", "--max_iters=20", "--eval_interval=20"])
+    out = capsys.readouterr().out
+    assert "note: warmup_iters=100 (the default) is longer than max_iters=20; using warmup_iters=2" in out
+    assert load_checkpoint(os.path.join(tmp_path, "ckpt.pt"))["train_config"]["warmup_iters"] == 2
+    lrs = [r["lr"] for r in read_metrics(tmp_path) if "lr" in r]
+    assert lrs[0] < lrs[2] == pytest.approx(3e-3, rel=0.01)  # warmed up in 2 steps, then the cosine

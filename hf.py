@@ -1,0 +1,286 @@
+"""
+Hugging Face interop: GPT-2 (GPT2LMHeadModel) and Llama (LlamaForCausalLM) weights into our GPT and
+back, and the tokenizer that goes with pretrained weights. GPT.from_pretrained and GPT.save_pretrained
+call in here; nothing here is needed to train or sample a model of our own.
+"""
+
+import json
+import os
+
+import torch
+
+from dataset import DataError, HFTokenizer, TiktokenTokenizer
+from model import GPTConfig
+
+
+def load_pretrained(cls, name_or_dir, dropout=0.0):
+    """cls (GPT) with the weights of a local Hugging Face directory (config.json plus model.safetensors
+    or pytorch_model.bin), or of gpt2 / gpt2-medium / gpt2-large / gpt2-xl from the Hub."""
+    directory = resolve_pretrained(name_or_dir)
+    with open(os.path.join(directory, "config.json")) as f:
+        hf_config = json.load(f)
+    kind = hf_config.get("model_type")
+    if kind not in HF_FAMILIES:
+        raise ValueError(
+            f"{directory}: model_type {kind!r} is not supported; supported: {', '.join(HF_FAMILIES)}"
+        )
+    to_config, to_ours, _, _ = HF_FAMILIES[kind]
+    config = to_config(hf_config, directory)
+    config.dropout = dropout
+    model = cls(config)
+    state = to_ours(load_hf_state_dict(directory), config)
+    if config.tie_embeddings:
+        state["lm_head.weight"] = state["tok_emb.weight"]
+    expected = model.state_dict()
+    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{directory}: weights do not match the config: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    for key, tensor in state.items():
+        if tensor.shape != expected[key].shape:
+            raise ValueError(f"{directory}: {key} has shape {tuple(tensor.shape)}, config implies "
+                             f"{tuple(expected[key].shape)}")
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model
+
+
+def save_pretrained(model, directory):
+    """Writes config.json and model.safetensors that transformers' AutoModelForCausalLM loads: a
+    GPT2LMHeadModel for GPT-2-shaped configs, a LlamaForCausalLM for Llama-shaped ones."""
+    from safetensors.torch import save_file
+
+    kind = hf_family(model.config)
+    _, _, to_hf_config, to_hf = HF_FAMILIES[kind]
+    state = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
+    hf_state = to_hf(state, model.config)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(to_hf_config(model.config), f, indent=2)
+    save_file({k: v.contiguous() for k, v in hf_state.items()}, os.path.join(directory, "model.safetensors"),
+              metadata={"format": "pt"})
+
+
+def pretrained_tokenizer(name_or_dir, model):
+    """The tokenizer.json beside Hugging Face weights; GPT-2 weights without one get tiktoken's gpt2."""
+    path = os.path.join(name_or_dir, "tokenizer.json")
+    if os.path.isdir(name_or_dir) and os.path.exists(path):
+        with open(os.path.join(name_or_dir, "config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+        return HFTokenizer(path, eos if isinstance(eos, int) else None)
+    if uses_gpt2_tokenizer(model.config) and model.config.vocab_size >= 50257:
+        return TiktokenTokenizer("gpt2")
+    raise DataError(f"{name_or_dir}: no tokenizer.json beside the weights; sampling needs the model's tokenizer")
+
+
+GPT2_HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+
+def resolve_pretrained(name_or_dir):
+    if os.path.isdir(name_or_dir):
+        return name_or_dir
+    if name_or_dir not in GPT2_HUB_NAMES:
+        raise ValueError(
+            f"{name_or_dir!r} is neither a local Hugging Face model directory nor one of {', '.join(GPT2_HUB_NAMES)}"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(name_or_dir, allow_patterns=["config.json", "model.safetensors"])
+    except Exception as e:  # offline, no cache, hub error: one actionable message
+        raise RuntimeError(
+            f"could not download {name_or_dir!r} from the Hugging Face Hub ({type(e).__name__}). Without "
+            "network, download it elsewhere (huggingface-cli download openai-community/"
+            f"{name_or_dir}) and pass the directory instead"
+        ) from None
+
+
+def load_hf_state_dict(directory):
+    path = os.path.join(directory, "model.safetensors")
+    if os.path.exists(path):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    path = os.path.join(directory, "pytorch_model.bin")
+    if os.path.exists(path):
+        return torch.load(path, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{directory}: no model.safetensors or pytorch_model.bin (sharded checkpoints are not supported)")
+
+
+def family(config):
+    """'gpt2' or 'llama': the transformers architecture with this config's computation, or None."""
+    c = config
+    if c.pos_emb == "learned" and c.norm == "layernorm" and c.mlp == "gelu" and not c.qk_norm and c.n_kv_head == c.n_head:
+        return "gpt2"
+    if c.pos_emb == "rope" and c.norm == "rmsnorm" and c.mlp == "swiglu" and not c.bias and not c.qk_norm:
+        return "llama"
+    return None
+
+
+def uses_gpt2_tokenizer(config):
+    """GPT-2's architecture: such weights (GPT-2 itself, or a model exported as GPT2LMHeadModel) expect
+    tiktoken's gpt2 tokens."""
+    return family(config) == "gpt2"
+
+
+def hf_family(config):
+    kind = family(config)
+    if kind is not None:
+        return kind
+    c = config
+    raise ValueError(
+        "this config has no Hugging Face equivalent: GPT-2 needs pos_emb='learned', norm='layernorm', "
+        "mlp='gelu', n_kv_head=n_head, qk_norm=False; Llama needs pos_emb='rope', norm='rmsnorm', "
+        f"mlp='swiglu', bias=False, qk_norm=False (got pos_emb={c.pos_emb!r}, norm={c.norm!r}, mlp={c.mlp!r}, "
+        f"bias={c.bias}, qk_norm={c.qk_norm}, n_kv_head={c.n_kv_head}, n_head={c.n_head})"
+    )
+
+
+def gpt2_config(hf, directory):
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise ValueError(f"{directory}: GPT-2 activation {act!r} is not supported (tanh GELU only)")
+    if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+        raise ValueError(f"{directory}: non-standard GPT-2 attention scaling is not supported")
+    return GPTConfig(
+        block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"], n_head=hf["n_head"],
+        n_embd=hf["n_embd"], bias=True, pos_emb="learned", norm="layernorm",
+        norm_eps=hf.get("layer_norm_epsilon", 1e-5), mlp="gelu", mlp_hidden=hf.get("n_inner") or 4 * hf["n_embd"],
+        tie_embeddings=hf.get("tie_word_embeddings", True),
+    )
+
+
+# our per-layer name -> GPT-2's; GPT-2 stores Linear weights transposed (its Conv1D is x @ W)
+GPT2_LAYER_KEYS = {
+    "norm1.weight": "ln_1.weight", "norm1.bias": "ln_1.bias",
+    "attn.qkv.weight": "attn.c_attn.weight", "attn.qkv.bias": "attn.c_attn.bias",
+    "attn.proj.weight": "attn.c_proj.weight", "attn.proj.bias": "attn.c_proj.bias",
+    "norm2.weight": "ln_2.weight", "norm2.bias": "ln_2.bias",
+    "mlp.fc.weight": "mlp.c_fc.weight", "mlp.fc.bias": "mlp.c_fc.bias",
+    "mlp.proj.weight": "mlp.c_proj.weight", "mlp.proj.bias": "mlp.c_proj.bias",
+}  # fmt: skip
+GPT2_TOP_KEYS = {"tok_emb.weight": "wte.weight", "positions.wpe.weight": "wpe.weight", "norm_f.weight": "ln_f.weight", "norm_f.bias": "ln_f.bias"}
+
+
+def gpt2_to_ours(hf_state, config):
+    hf_state = {k.removeprefix("transformer."): v for k, v in hf_state.items()}
+    state = {ours: hf_state[theirs] for ours, theirs in GPT2_TOP_KEYS.items()}
+    for i in range(config.n_layer):
+        for ours, theirs in GPT2_LAYER_KEYS.items():
+            w = hf_state[f"h.{i}.{theirs}"]
+            state[f"blocks.{i}.{ours}"] = w.t() if ours.endswith("weight") and w.dim() == 2 else w
+    if not config.tie_embeddings:
+        state["lm_head.weight"] = hf_state["lm_head.weight"]
+    return state
+
+
+def gpt2_from_ours(state, config):
+    hf = {f"transformer.{theirs}": bias_or_zeros(state, ours) for ours, theirs in GPT2_TOP_KEYS.items()}
+    for i in range(config.n_layer):
+        for ours, theirs in GPT2_LAYER_KEYS.items():
+            w = bias_or_zeros(state, f"blocks.{i}.{ours}")
+            hf[f"transformer.h.{i}.{theirs}"] = w.t() if w.dim() == 2 else w
+    if not config.tie_embeddings:
+        hf["lm_head.weight"] = state["lm_head.weight"]
+    return hf
+
+
+def bias_or_zeros(state, key):
+    """GPT-2 always has biases; a bias-free model exports zeros, which computes the same function."""
+    if key in state:
+        return state[key]
+    weight = state[key.removesuffix("bias") + "weight"]
+    return weight.new_zeros(weight.shape[0])
+
+
+def gpt2_hf_config(config):
+    return {
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": config.vocab_size,
+        "n_positions": config.block_size, "n_embd": config.n_embd, "n_layer": config.n_layer,
+        "n_head": config.n_head, "n_inner": config.mlp_hidden, "activation_function": "gelu_new",
+        "layer_norm_epsilon": config.norm_eps, "resid_pdrop": config.dropout, "embd_pdrop": config.dropout,
+        "attn_pdrop": config.dropout, "tie_word_embeddings": config.tie_embeddings, "dtype": "float32",
+    }  # fmt: skip
+
+
+def llama_config(hf, directory):
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{directory}: Llama activation {hf['hidden_act']!r} is not supported (silu only)")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ValueError(f"{directory}: Llama with attention_bias/mlp_bias is not supported")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"{directory}: RoPE scaling {rope_type!r} is not supported (plain RoPE only)")
+    n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim", n_embd // n_head) != n_embd // n_head:
+        raise ValueError(f"{directory}: head_dim={hf['head_dim']} != hidden_size/num_attention_heads")
+    return GPTConfig(
+        block_size=hf["max_position_embeddings"], vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"],
+        n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd, bias=False,
+        pos_emb="rope", rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)), norm="rmsnorm",
+        norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu", mlp_hidden=hf["intermediate_size"],
+        tie_embeddings=hf.get("tie_word_embeddings", False),
+    )
+
+
+LLAMA_LAYER_KEYS = {
+    "norm1.weight": "input_layernorm.weight", "attn.proj.weight": "self_attn.o_proj.weight",
+    "norm2.weight": "post_attention_layernorm.weight", "mlp.proj.weight": "mlp.down_proj.weight",
+}  # fmt: skip
+# fused here, separate in Llama: our matrix is their matrices stacked along the output dimension
+LLAMA_FUSED_KEYS = {
+    "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "mlp.fc.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def llama_to_ours(hf_state, config):
+    state = {"tok_emb.weight": hf_state["model.embed_tokens.weight"], "norm_f.weight": hf_state["model.norm.weight"]}
+    for i in range(config.n_layer):
+        for ours, theirs in LLAMA_LAYER_KEYS.items():
+            state[f"blocks.{i}.{ours}"] = hf_state[f"model.layers.{i}.{theirs}"]
+        for ours, parts in LLAMA_FUSED_KEYS.items():
+            state[f"blocks.{i}.{ours}"] = torch.cat([hf_state[f"model.layers.{i}.{p}"] for p in parts])
+    if not config.tie_embeddings:
+        state["lm_head.weight"] = hf_state["lm_head.weight"]
+    return state
+
+
+def llama_from_ours(state, config):
+    hf = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["norm_f.weight"]}
+    head_dim = config.n_embd // config.n_head
+    split_sizes = {
+        "attn.qkv.weight": [config.n_head * head_dim, config.n_kv_head * head_dim, config.n_kv_head * head_dim],
+        "mlp.fc.weight": [config.mlp_hidden, config.mlp_hidden],
+    }
+    for i in range(config.n_layer):
+        for ours, theirs in LLAMA_LAYER_KEYS.items():
+            hf[f"model.layers.{i}.{theirs}"] = state[f"blocks.{i}.{ours}"]
+        for ours, parts in LLAMA_FUSED_KEYS.items():
+            for part, tensor in zip(parts, state[f"blocks.{i}.{ours}"].split(split_sizes[ours])):
+                hf[f"model.layers.{i}.{part}"] = tensor
+    if not config.tie_embeddings:
+        hf["lm_head.weight"] = state["lm_head.weight"]
+    return hf
+
+
+def llama_hf_config(config):
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": config.vocab_size,
+        "hidden_size": config.n_embd, "intermediate_size": config.mlp_hidden,
+        "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head, "head_dim": config.n_embd // config.n_head,
+        "max_position_embeddings": config.block_size, "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": config.dropout,
+        "tie_word_embeddings": config.tie_embeddings, "dtype": "float32",
+    }  # fmt: skip
+
+
+HF_FAMILIES = {
+    "gpt2": (gpt2_config, gpt2_to_ours, gpt2_hf_config, gpt2_from_ours),
+    "llama": (llama_config, llama_to_ours, llama_hf_config, llama_from_ours),
+}
+

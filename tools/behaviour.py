@@ -1,0 +1,108 @@
+"""
+Proves that a refactoring changed no behaviour: record a fixed scenario before, record it again after,
+compare the two.
+
+  python tools/behaviour.py record DIR       a 30-step run with dropout, samples, --help texts -> DIR
+  python tools/behaviour.py compare OLD NEW  weights and losses bit for bit, texts equal, help diffs shown
+
+The scenario: a 2-layer character model trained 30 steps on generated verse (fp32, CPU, dropout 0.1),
+then sample.py with a fixed seed from its checkpoint with fp32, bf16 and int8 weights. Timing fields
+(elapsed, tokens/s, ms/step, MFU) differ between any two runs and are left out.
+"""
+
+import difflib
+import json
+import os
+import random
+import subprocess
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMING = ("elapsed", "tokens_per_sec", "ms_per_iter", "mfu")
+TRAIN = ["--max_iters=30", "--dropout=0.1", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32",
+         "--batch_size=4", "--eval_interval=10", "--eval_iters=2", "--log_interval=1", "--warmup_iters=5",
+         "--learning_rate=3e-3", "--min_lr=3e-4", "--dtype=float32", "--device=cpu"]  # fmt: skip
+WEIGHTS = ("float32", "bfloat16", "int8")
+HELP = ("train.py", "sample.py", "bench.py", "export.py")
+
+
+def verse(n_chars, seed=0):
+    rng = random.Random(seed)
+    words = "the king queen lord speak thou hath love death night day fair sweet noble heart crown war".split()
+    text = ""
+    while len(text) < n_chars:
+        text += " ".join(rng.choice(words) for _ in range(rng.randint(3, 8))).capitalize() + ".\n"
+    return text[:n_chars]
+
+
+def run(*args):
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"})
+    if result.returncode != 0:
+        sys.exit(f"error: {' '.join(args[:2])} failed:\n{result.stderr[-2000:]}")
+    return result.stdout
+
+
+def sample_weights_key():
+    """sample.py's key for the inference weight format (renamed dtype -> weights_dtype)."""
+    return "weights_dtype" if "--weights_dtype" in run("sample.py", "--help") else "dtype"
+
+
+def record(out):
+    sys.path.insert(0, ROOT)
+    from dataset import char_tokenizer_for, prepare_text
+
+    os.makedirs(out, exist_ok=True)
+    text = verse(30_000)
+    data = os.path.join(out, "data")
+    prepare_text(text, char_tokenizer_for(text), data)
+    run_dir = os.path.join(out, "run")
+    run("train.py", *TRAIN, f"--dataset={data}", f"--out_dir={run_dir}", "--overwrite=True")
+    key = sample_weights_key()
+    texts = {w: run("sample.py", f"--out_dir={run_dir}", "--seed=7", "--num_samples=2", "--max_new_tokens=60",
+                    "--start=The king", f"--{key}={w}", "--device=cpu") for w in WEIGHTS}
+    helps = {script: run(script, "--help") for script in HELP}
+    with open(os.path.join(out, "texts.json"), "w") as f:
+        json.dump({"samples": texts, "help": helps}, f, indent=1)
+    print(f"recorded -> {out}")
+
+
+def compare(old, new):
+    problems = []
+    metrics = []
+    for d in (old, new):
+        with open(os.path.join(d, "run", "metrics.jsonl")) as f:
+            metrics.append([{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f])
+    if metrics[0] != metrics[1]:
+        problems.append("metrics.jsonl differs")
+    weights = [torch.load(os.path.join(d, "run", "ckpt.pt"), weights_only=True)["model"] for d in (old, new)]
+    if weights[0].keys() != weights[1].keys():
+        problems.append("checkpoint weights have other names")
+    else:
+        problems += [f"weight {k} differs" for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])]
+    texts = []
+    for d in (old, new):
+        with open(os.path.join(d, "texts.json")) as f:
+            texts.append(json.load(f))
+    problems += [f"sample text with {w} weights differs" for w in WEIGHTS
+                 if texts[0]["samples"][w] != texts[1]["samples"][w]]
+    for script in HELP:
+        diff = list(difflib.unified_diff(texts[0]["help"][script].splitlines(), texts[1]["help"][script].splitlines(),
+                                         f"old {script} --help", f"new {script} --help", lineterm="", n=0))
+        if diff:
+            print("\n".join(diff))
+    print(f"{len(metrics[0])} metrics lines, {len(weights[0])} weight tensors, {len(WEIGHTS)} sample texts compared")
+    if problems:
+        sys.exit("BEHAVIOUR CHANGED: " + "; ".join(problems))
+    print("same behaviour: weights and losses bit for bit, sample texts identical (help diffs above, if any)")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "record":
+        record(sys.argv[2])
+    elif len(sys.argv) == 4 and sys.argv[1] == "compare":
+        compare(sys.argv[2], sys.argv[3])
+    else:
+        sys.exit(__doc__.strip())
