@@ -500,19 +500,21 @@ def step_record(run, iter_num, lr, loss_sum, ce_sum, grad_norm, skipped, seconds
 # The recipe
 
 
-def train(c, explicit):
+def train(values, explicit):
+    # the config that runs, the pieces, and where a resumed run stands
     state = RunState()
-    c, ckpt, notes = settle_config(c, explicit)
-    ckpt_path = os.path.join(c["out_dir"], CHECKPOINT)
-    run = Run(c, explicit, ckpt)
+    settled, ckpt, notes = settle_config(values, explicit)
+    run = Run(settled, explicit, ckpt)
     c, world = run.c, run.world
+    ckpt_path = os.path.join(c["out_dir"], CHECKPOINT)
     if ckpt is not None:
         state.restore(ckpt, run)
         del ckpt
     start_iter = state.iter_num
     run.wrap()
 
-    # one run per out_dir; taken only now, so input that fails the checks above leaves nothing behind
+    # one run per out_dir; taken only now, so input that fails the checks above leaves nothing behind;
+    # then the log's first lines: the precision chosen, notes, the run's size
     lock = RunLock(c["out_dir"]).acquire() if world.master else None
     logger = Logger(c, c["out_dir"], state.iter_num, state.metrics_bytes, world.master)
     fast = precision(run.device_type)
@@ -529,6 +531,7 @@ def train(c, explicit):
     logger.print(f"{run.raw_model.get_num_params():,} parameters | {run.device} {run.dtype} | {world.size} process(es) | "
                  f"{tokens_per_iter:,} tokens per step | steps {state.iter_num} -> {c['max_iters']}")
 
+    # the step loop
     stop = StopRequest(logger)
     first_bad = torch.full((), -1, dtype=torch.long, device=run.device)  # first non-finite step, kept on the device
     try:
