@@ -124,11 +124,18 @@ def open_split(data_dir, split, vocab_size):
     return files
 
 
+def prepare_hint(data_dir):
+    """The command that prepares data_dir: its own prepare script, or data/prepare.py for your text."""
+    script = os.path.join(data_dir, "prepare.py")
+    if os.path.exists(script):
+        return f"python {os.path.relpath(script)}"
+    return f"python data/prepare.py YOUR_FILES --out={os.path.basename(os.path.normpath(data_dir))}"
+
+
 def read_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
-        raise DataError(f"{data_dir}: no meta.json; run the dataset's prepare script first "
-                        f"(e.g. python data/shakespeare_char/prepare.py)")
+        raise DataError(f"{data_dir}: no meta.json; prepare the dataset first: {prepare_hint(data_dir)}")
     with open(path) as f:
         return json.load(f)
 

@@ -1,9 +1,18 @@
 """
-Exports a train.py checkpoint as a Hugging Face model directory (config.json + model.safetensors) that
-transformers' AutoModelForCausalLM loads: GPT2LMHeadModel for GPT-2-shaped models, LlamaForCausalLM for
-Llama-shaped ones. Other architectures are refused with the reason.
+Exports a train.py checkpoint as a Hugging Face model directory that transformers loads:
+config.json + model.safetensors (AutoModelForCausalLM) and the tokenizer (AutoTokenizer; sample.py
+--init_from=DIR reads it too).
 
-  python export.py --out_dir=out-shakespeare-char-cpu --hf_dir=hf-shakespeare
+Only architectures transformers has can be exported: GPT-2-shaped configs (pos_emb=learned,
+norm=layernorm, mlp=gelu, no QK-norm or GQA) as GPT2LMHeadModel, Llama-shaped ones (pos_emb=rope,
+norm=rmsnorm, mlp=swiglu, bias=False) as LlamaForCausalLM. The Quick start's model (mlp=relu2) is neither:
+train an exportable one, for example
+
+  python train.py config/train_shakespeare_char_cpu.py --mlp=swiglu --out_dir=out-llama-char
+  python export.py --out_dir=out-llama-char --hf_dir=hf-llama-char
+
+GPT-2 BPE models get tokenizer.json, vocab.json and merges.txt that encode exactly as tiktoken's gpt2;
+character models a tokenizer.json over their characters.
 """
 
 import sys
@@ -11,6 +20,7 @@ from dataclasses import dataclass
 
 from checkpoint import CheckpointError, load_model
 from configurator import fail, keys_of, parse_or_exit
+from hf import save_tokenizer
 
 
 @dataclass
@@ -26,11 +36,9 @@ def main(argv=None):
     try:
         model, state = load_model(c["out_dir"])
         model.save_pretrained(c["hf_dir"])
+        note = save_tokenizer(state["tokenizer"], c["hf_dir"], model.config.block_size)
     except (CheckpointError, ValueError) as e:
         fail(e)
-    tokenizer = state["tokenizer"]
-    note = ("GPT-2's tokenizer (tiktoken gpt2) applies" if tokenizer == {"kind": "tiktoken", "encoding": "gpt2"}
-            else f"its tokenizer ({tokenizer['kind']}) has no Hugging Face file: keep meta.json beside it")
     print(f"wrote {c['hf_dir']} ({model.get_num_params():,} parameters); {note}")
 
 

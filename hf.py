@@ -13,6 +13,10 @@ from dataset import DataError, HFTokenizer, TiktokenTokenizer
 from model import GPTConfig
 
 
+class PretrainedError(ValueError):
+    """Weights that cannot be had or do not fit: one line for the user, no traceback."""
+
+
 def load_pretrained(cls, name_or_dir, dropout=0.0):
     """cls (GPT) with the weights of a local Hugging Face directory (config.json plus model.safetensors
     or pytorch_model.bin), or of gpt2 / gpt2-medium / gpt2-large / gpt2-xl from the Hub."""
@@ -21,7 +25,7 @@ def load_pretrained(cls, name_or_dir, dropout=0.0):
         hf_config = json.load(f)
     kind = hf_config.get("model_type")
     if kind not in HF_FAMILIES:
-        raise ValueError(
+        raise PretrainedError(
             f"{directory}: model_type {kind!r} is not supported; supported: {', '.join(HF_FAMILIES)}"
         )
     to_config, to_ours, _, _ = HF_FAMILIES[kind]
@@ -34,13 +38,13 @@ def load_pretrained(cls, name_or_dir, dropout=0.0):
     expected = model.state_dict()
     missing, unexpected = set(expected) - set(state), set(state) - set(expected)
     if missing or unexpected:
-        raise ValueError(
+        raise PretrainedError(
             f"{directory}: weights do not match the config: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}"
         )
     for key, tensor in state.items():
         if tensor.shape != expected[key].shape:
-            raise ValueError(f"{directory}: {key} has shape {tuple(tensor.shape)}, config implies "
+            raise PretrainedError(f"{directory}: {key} has shape {tuple(tensor.shape)}, config implies "
                              f"{tuple(expected[key].shape)}")
     model.load_state_dict({k: v.float() for k, v in state.items()})
     return model
@@ -68,7 +72,13 @@ def pretrained_tokenizer(name_or_dir, model):
     if os.path.isdir(name_or_dir) and os.path.exists(path):
         with open(os.path.join(name_or_dir, "config.json")) as f:
             eos = json.load(f).get("eos_token_id")
-        return HFTokenizer(path, eos if isinstance(eos, int) else None)
+        tokenizer = HFTokenizer(path, eos if isinstance(eos, int) else None)
+        settings = os.path.join(name_or_dir, "tokenizer_config.json")
+        if tokenizer.eot_token is None and os.path.exists(settings):  # an export of ours names it there
+            with open(settings) as f:
+                name = json.load(f).get("eos_token")
+            tokenizer.eot_token = tokenizer.tok.token_to_id(name) if isinstance(name, str) else None
+        return tokenizer
     if uses_gpt2_tokenizer(model.config) and model.config.vocab_size >= 50257:
         return TiktokenTokenizer("gpt2")
     raise DataError(f"{name_or_dir}: no tokenizer.json beside the weights; sampling needs the model's tokenizer")
@@ -81,7 +91,7 @@ def resolve_pretrained(name_or_dir):
     if os.path.isdir(name_or_dir):
         return name_or_dir
     if name_or_dir not in GPT2_HUB_NAMES:
-        raise ValueError(
+        raise PretrainedError(
             f"{name_or_dir!r} is neither a local Hugging Face model directory nor one of {', '.join(GPT2_HUB_NAMES)}"
         )
     try:
@@ -89,10 +99,10 @@ def resolve_pretrained(name_or_dir):
 
         return snapshot_download(name_or_dir, allow_patterns=["config.json", "model.safetensors"])
     except Exception as e:  # offline, no cache, hub error: one actionable message
-        raise RuntimeError(
-            f"could not download {name_or_dir!r} from the Hugging Face Hub ({type(e).__name__}). Without "
-            "network, download it elsewhere (huggingface-cli download openai-community/"
-            f"{name_or_dir}) and pass the directory instead"
+        raise PretrainedError(
+            f"could not download {name_or_dir!r} from the Hugging Face Hub ({type(e).__name__}); without network, "
+            f"download it where there is one (hf download openai-community/{name_or_dir} --local-dir {name_or_dir}) "
+            "and pass that directory instead"
         ) from None
 
 
@@ -129,7 +139,7 @@ def hf_family(config):
     if kind is not None:
         return kind
     c = config
-    raise ValueError(
+    raise PretrainedError(
         "this config has no Hugging Face equivalent: GPT-2 needs pos_emb='learned', norm='layernorm', "
         "mlp='gelu', n_kv_head=n_head, qk_norm=False; Llama needs pos_emb='rope', norm='rmsnorm', "
         f"mlp='swiglu', bias=False, qk_norm=False (got pos_emb={c.pos_emb!r}, norm={c.norm!r}, mlp={c.mlp!r}, "
@@ -140,9 +150,9 @@ def hf_family(config):
 def gpt2_config(hf, directory):
     act = hf.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"{directory}: GPT-2 activation {act!r} is not supported (tanh GELU only)")
+        raise PretrainedError(f"{directory}: GPT-2 activation {act!r} is not supported (tanh GELU only)")
     if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
-        raise ValueError(f"{directory}: non-standard GPT-2 attention scaling is not supported")
+        raise PretrainedError(f"{directory}: non-standard GPT-2 attention scaling is not supported")
     return GPTConfig(
         block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"], n_head=hf["n_head"],
         n_embd=hf["n_embd"], bias=True, pos_emb="learned", norm="layernorm",
@@ -206,16 +216,16 @@ def gpt2_hf_config(config):
 
 def llama_config(hf, directory):
     if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{directory}: Llama activation {hf['hidden_act']!r} is not supported (silu only)")
+        raise PretrainedError(f"{directory}: Llama activation {hf['hidden_act']!r} is not supported (silu only)")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError(f"{directory}: Llama with attention_bias/mlp_bias is not supported")
+        raise PretrainedError(f"{directory}: Llama with attention_bias/mlp_bias is not supported")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        raise ValueError(f"{directory}: RoPE scaling {rope_type!r} is not supported (plain RoPE only)")
+        raise PretrainedError(f"{directory}: RoPE scaling {rope_type!r} is not supported (plain RoPE only)")
     n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim", n_embd // n_head) != n_embd // n_head:
-        raise ValueError(f"{directory}: head_dim={hf['head_dim']} != hidden_size/num_attention_heads")
+        raise PretrainedError(f"{directory}: head_dim={hf['head_dim']} != hidden_size/num_attention_heads")
     return GPTConfig(
         block_size=hf["max_position_embeddings"], vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"],
         n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd, bias=False,
@@ -284,3 +294,75 @@ HF_FAMILIES = {
     "llama": (llama_config, llama_to_ours, llama_hf_config, llama_from_ours),
 }
 
+
+
+# ----------------------------------------------------------------------------------------------------
+# Tokenizers for exported models: a tokenizer.json that transformers' AutoTokenizer (and sample.py)
+# load, built with the `tokenizers` package from our tokenizer's own tables.
+
+
+def byte_to_unicode():
+    """GPT-2's byte-level alphabet: every byte as a printable character (the table in its encoder.py)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = [b for b in range(256) if b not in printable]
+    return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(extra)}
+
+
+def bpe_merges(ranks):
+    """The merge list of a byte-level BPE from tiktoken's ranks (token bytes -> id): each token of two or
+    more bytes is what BPE over its own bytes, with only lower-ranked merges, joins last."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) < 2:
+            continue
+        parts = [bytes([b]) for b in token]
+        while len(parts) > 2:
+            pairs = [(ranks.get(parts[i] + parts[i + 1], rank), i) for i in range(len(parts) - 1)]
+            best, i = min(pairs)
+            if best >= rank:
+                break
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
+        if len(parts) == 2:
+            merges.append((parts[0], parts[1]))
+    return merges
+
+
+def save_tokenizer(meta, directory, max_length):
+    """Writes tokenizer.json and tokenizer_config.json for our tokenizer (its meta dict) into directory.
+    GPT-2's BPE also gets vocab.json and merges.txt. Returns a line saying what was written."""
+    try:
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    except ImportError:
+        return "no tokenizer written: it needs the tokenizers package (pip install tokenizers)"
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
+              "clean_up_tokenization_spaces": False}
+    if meta == {"kind": "tiktoken", "encoding": "gpt2"}:
+        import tiktoken
+
+        encoding = tiktoken.get_encoding("gpt2")
+        ranks = encoding._mergeable_ranks  # bytes -> id: the BPE itself, as tiktoken loaded it
+        alphabet = byte_to_unicode()
+        text = lambda token: "".join(alphabet[b] for b in token)  # noqa: E731
+        vocab = {text(token): rank for token, rank in ranks.items()}
+        merges = [(text(a), text(b)) for a, b in bpe_merges(ranks)]
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        tokenizer.add_special_tokens(["<|endoftext|>"])  # id 50256, after the 50,256 BPE tokens
+        config.update(bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>")
+        with open(os.path.join(directory, "vocab.json"), "w") as f:
+            json.dump(vocab | {"<|endoftext|>": encoding.eot_token}, f, ensure_ascii=False)
+        with open(os.path.join(directory, "merges.txt"), "w") as f:
+            f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
+        what = "GPT-2's BPE (tokenizer.json, vocab.json, merges.txt)"
+    elif meta.get("kind") == "char":
+        tokenizer = Tokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(meta["chars"])}, unk_token=None))
+        tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one char each
+        tokenizer.decoder = decoders.Fuse()  # and back without spaces between them
+        what = f"a {len(meta['chars'])}-character vocabulary (tokenizer.json)"
+    else:
+        return f"no tokenizer written: {meta} has no Hugging Face equivalent here"
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return f"tokenizer: {what}"

@@ -9,6 +9,7 @@ The num_samples samples run as one batch; sample i draws from its own generator 
 so sample i of a batch is exactly what a run with --seed=<seed + i> --num_samples=1 prints.
 """
 
+import re
 import sys
 from dataclasses import dataclass
 from typing import Optional
@@ -30,7 +31,7 @@ END_OF_TEXT = "<|endoftext|>"
 class SampleConfig:
     out_dir: str = "out"  # the training run's directory (init_from=resume)
     init_from: str = "resume"  # resume (out_dir/ckpt.pt) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a Hugging Face model directory
-    start: str = "\n"  # the prompt, or FILE:path to read it from a file
+    start: str = "\n"  # the prompt (\n, \t, \\ are a newline, a tab, a backslash), or FILE:path to read it from a file
     num_samples: int = 3  # samples, generated together as one batch
     max_new_tokens: int = 500  # tokens to generate per sample
     temperature: float = 0.8  # 0 = greedy; below 1 sharper, above 1 more random
@@ -40,7 +41,7 @@ class SampleConfig:
     device: str = "auto"  # auto | cpu | cuda | mps
     weights_dtype: str = "float32"  # weights for inference: float32 | bfloat16 | float16 | int8 (CPU; quantised, see docs/guide.md)
     stream: bool = False  # print text as tokens arrive (needs num_samples=1)
-    stop: Optional[str] = None  # end each sample before this string; <|endoftext|> = the end-of-text token
+    stop: Optional[str] = None  # end each sample before this string (\n, \t, \\ as in start); <|endoftext|> = the end-of-text token
 
 
 SAMPLE_CHOICES = {"device": DEVICES, "weights_dtype": WEIGHTS_DTYPES}
@@ -56,6 +57,15 @@ def model_and_tokenizer(init_from, out_dir):
     return model, pretrained_tokenizer(init_from, model)
 
 
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text):
+    """\\n, \\t, \\r and \\\\ typed on a command line (where the shell passes them as two characters) become
+    a newline, a tab, a carriage return and one backslash; any other backslash stays as it is."""
+    return re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m.group(1)], text)
+
+
 def read_prompt(start):
     if start.startswith("FILE:"):
         path = start[len("FILE:") :]
@@ -64,7 +74,7 @@ def read_prompt(start):
                 return f.read()
         except OSError as e:
             raise ConfigError(f"start=FILE:{path}: cannot read the prompt file ({e.strerror})") from None
-    return start
+    return unescape(start)
 
 
 def encode_prompt(tokenizer, text, block_size):
@@ -132,8 +142,9 @@ def generate_texts(model, tokenizer, prompt, c, device):
 
 
 def stream_text(model, tokenizer, prompt, c, device, write):
-    """One sample, written as it arrives. Text that could be the start of the stop string is held back
-    until it is clear it is not; a token that ends inside a multi-byte character waits for the rest."""
+    """One sample, written as it arrives after the prompt; returns the sample (prompt excluded). Text that
+    could be the start of the stop string is held back until it is clear it is not; a token that ends
+    inside a multi-byte character waits for the rest."""
     ids = encode_prompt(tokenizer, prompt, model.config.block_size)
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     generator = [torch.Generator(device=device).manual_seed(c["seed"])]
@@ -142,6 +153,7 @@ def stream_text(model, tokenizer, prompt, c, device, write):
     new, shown = [], ""
     eos = stop_token(tokenizer, stop)
     log_precision(c, device)
+    write(prompt)  # as batch mode prints it: the prompt, then the sample
     for column in model.stream(idx, c["max_new_tokens"], c["temperature"], c["top_k"], c["top_p"],
                                eos_token_id=eos, generator=generator):
         new.append(int(column[0, 0]))
@@ -173,6 +185,7 @@ def main(argv=None):
         model, tokenizer = model_and_tokenizer(c["init_from"], c["out_dir"])
         model = for_inference(model.to(device=device), c["weights_dtype"])
         prompt = read_prompt(c["start"])
+        c = {**c, "stop": None if c["stop"] is None else unescape(c["stop"])}
         if c["stream"]:
             stream_text(model, tokenizer, prompt, c, device, lambda s: print(s, end="", flush=True))
             print()

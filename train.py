@@ -23,10 +23,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from checkpoint import CHECKPOINT, METRICS, CheckpointError, RunLock, load_checkpoint, model_config, save_checkpoint
 from configurator import ConfigError, fail, keys_of, parse_or_exit
-from dataset import BatchSampler, DataError, open_split, read_meta
+from dataset import BatchSampler, DataError, open_split, prepare_hint, read_meta
 from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
 from device import autocast as autocast_for
-from hf import uses_gpt2_tokenizer
+from hf import PretrainedError, uses_gpt2_tokenizer
 from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, lm_loss, recording_max_attention_logit
 from optim import OPTIMIZERS, build_optimizers, clip_gradients, get_lr
 
@@ -109,8 +109,8 @@ def resolve_dataset(name):
     for candidate in (os.path.join(ROOT, "data", name), name):
         if os.path.isdir(candidate):
             return candidate
-    raise DataError(f"dataset {name!r} not found (looked for data/{name} and {name}); prepare it first, "
-                    "e.g. python data/shakespeare_char/prepare.py")
+    raise DataError(f"dataset {name!r} not found (looked for data/{name} and {name}); prepare it first: "
+                    f"{prepare_hint(os.path.join(ROOT, 'data', name))}")
 
 
 class NonFinite(RuntimeError):
@@ -130,6 +130,16 @@ class Logger:
         self.bar = self.wandb = self.file = None
         if not active:
             return
+        if c["wandb_log"]:  # first: a wandb that cannot start must not cost the run its metrics file
+            import wandb
+
+            try:
+                self.wandb = wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], config=c,
+                                        resume="allow")
+            except Exception as e:  # not logged in, no network, a bad project: wandb's own exception types
+                reason = (str(e).strip().splitlines() or [""])[0]
+                raise ConfigError(f"wandb_log=True but wandb could not start ({type(e).__name__}: {reason}); run "
+                                  "`wandb login`, or set WANDB_MODE=offline to log locally (wandb sync later)") from None
         path = os.path.join(out_dir, METRICS)
         if metrics_bytes is not None and os.path.exists(path):
             with open(path, "r+b") as f:  # drop what the interrupted run logged after its checkpoint
@@ -141,11 +151,6 @@ class Logger:
             from tqdm import tqdm
 
             self.bar = tqdm(total=c["max_iters"], initial=start_iter, dynamic_ncols=True)
-        if c["wandb_log"]:
-            import wandb
-
-            self.wandb = wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], config=c,
-                                    resume="allow")
 
     def print(self, text):
         if self.active:
@@ -240,11 +245,15 @@ def main(argv=None):
                                      __doc__.strip().splitlines()[0])
     try:
         result = train(values, explicit)
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, PretrainedError) as e:
         fail(e)
     except (NonFinite, OSError) as e:  # not bad input: a diverged run, a full disk
         print(f"error: {e.strerror if isinstance(e, OSError) and e.strerror else e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # the second Ctrl-C: out at once, without a traceback
+        print(f"error: interrupted again; stopped at once: {os.path.join(values['out_dir'], CHECKPOINT)} holds the "
+              "last saved state (continue with --init_from=resume)", file=sys.stderr)
+        sys.exit(128 + signal.SIGINT)
     if result["signal"] is not None:
         sys.exit(128 + result["signal"])  # the shell's convention for "ended by this signal"
     return result
@@ -334,10 +343,12 @@ class Run:
         return nullcontext()
 
     @torch.no_grad()
-    def evaluate(self):
-        """Mean cross-entropy (no z-loss) over eval_iters batches per split. The batches come from a
-        generator seeded the same way at every evaluation: evaluations compare like with like, and
-        none of them moves the training RNG, so resuming stays exact."""
+    def evaluate(self, stop):
+        """Mean cross-entropy (no z-loss) over eval_iters batches per split, or None when a stop request
+        came in between two batches (in one process; under torchrun an all-reduce per batch to agree on
+        it hung gloo at exit, so there the request waits for the evaluation's end). The batches come from a generator
+        seeded the same way at every evaluation: evaluations compare like with like, and none of them
+        moves the training RNG, so resuming stays exact."""
         c, world = self.c, self.world
         self.model.eval()
         result = {}
@@ -345,6 +356,9 @@ class Run:
             sampler.generator.manual_seed(c["seed"] + 1 + i)
             total = torch.zeros((), device=self.device)
             for k in range(c["eval_iters"]):
+                if stop.signum is not None and not world.enabled:  # under torchrun: after the evaluation
+                    self.model.train()
+                    return None
                 x, y = sampler.sample(c["batch_size"])
                 if k % world.size != world.rank:
                     continue
@@ -460,7 +474,7 @@ class StopRequest:
         if self.signum is not None:  # a second Ctrl-C: the user wants out now
             raise KeyboardInterrupt
         self.signum = signum
-        self.logger.print(f"{signal.Signals(signum).name}: stopping after this iteration (again to abort at once)")
+        self.logger.print(f"{signal.Signals(signum).name}: stopping after this step or evaluation batch (again to abort at once)")
 
     def close(self):
         for s, handler in self.previous.items():
@@ -513,67 +527,73 @@ def train(values, explicit):
     start_iter = state.iter_num
     run.wrap()
 
-    # one run per out_dir; taken only now, so input that fails the checks above leaves nothing behind;
-    # then the log's first lines: the precision chosen, notes, the run's size
+    # one run per out_dir; taken only now, so input that fails the checks above leaves nothing behind,
+    # and released on every way out (the finally at the end)
     lock = RunLock(c["out_dir"]).acquire() if world.master else None
-    logger = Logger(c, c["out_dir"], state.iter_num, state.metrics_bytes, world.master)
-    fast = precision(run.device_type)
-    muon_dtype = f", Muon's Newton-Schulz in {str(fast.newton_schulz).removeprefix('torch.')}" if c["optimizer"] == "muon" else ""
-    logger.print(f"precision: {run.dtype} ({'chosen' if c['dtype'] == 'auto' else 'as set'}){muon_dtype} | {fast.why}")
-    for note in notes:
-        logger.print(note)
-    if state.rng_processes and state.rng_processes != world.size:
-        logger.print(f"note: the checkpoint comes from {state.rng_processes} process(es), this run has {world.size}: "
-                     "batches continue exactly, dropout's random streams start afresh")
-    if lock is not None and lock.took_over:
-        logger.print(f"took over the lock of a run that ended without releasing it: {lock.took_over}")
-    tokens_per_iter = c["gradient_accumulation_steps"] * c["batch_size"] * run.config.block_size
-    logger.print(f"{run.raw_model.get_num_params():,} parameters | {run.device} {run.dtype} | {world.size} process(es) | "
-                 f"{tokens_per_iter:,} tokens per step | steps {state.iter_num} -> {c['max_iters']}")
-
-    # the step loop
-    stop = StopRequest(logger)
-    first_bad = torch.full((), -1, dtype=torch.long, device=run.device)  # first non-finite step, kept on the device
+    logger = stop = None
     try:
+        # the log's first lines: the precision chosen, notes, the run's size
+        logger = Logger(c, c["out_dir"], state.iter_num, state.metrics_bytes, world.master)
+        fast = precision(run.device_type)
+        muon = f", Muon's Newton-Schulz in {str(fast.newton_schulz).removeprefix('torch.')}" if c["optimizer"] == "muon" else ""
+        logger.print(f"precision: {run.dtype} ({'chosen' if c['dtype'] == 'auto' else 'as set'}){muon} | {fast.why}")
+        for note in notes:
+            logger.print(note)
+        if state.rng_processes and state.rng_processes != world.size:
+            logger.print(f"note: the checkpoint comes from {state.rng_processes} process(es), this run has "
+                         f"{world.size}: batches continue exactly, dropout's random streams start afresh")
+        if lock is not None and lock.took_over:
+            logger.print(f"took over the lock of a run that ended without releasing it: {lock.took_over}")
+        tokens_per_iter = c["gradient_accumulation_steps"] * c["batch_size"] * run.config.block_size
+        logger.print(f"{run.raw_model.get_num_params():,} parameters | {run.device} {run.dtype} | {world.size} "
+                     f"process(es) | {tokens_per_iter:,} tokens per step | steps {state.iter_num} -> {c['max_iters']}")
+
+        # the step loop
+        stop = StopRequest(logger)
+        first_bad = torch.full((), -1, dtype=torch.long, device=run.device)  # first non-finite step, on the device
         run.raw_model.train()
         last_log_time, last_log_iter = time.perf_counter(), state.iter_num
         while True:
+            stopping = False
             # evaluate (and checkpoint) every eval_interval steps and at the end
             it = state.iter_num
             if (it % c["eval_interval"] == 0 or it == c["max_iters"]) and state.evaluated_at != it:
                 check_finite(first_bad, ckpt_path)
-                losses = run.evaluate()
-                state.evaluated_at = it
-                improved = losses["val"] < state.best_val
-                state.best_val = min(state.best_val, losses["val"])
-                logger.log({"iter": it, **{f"{k}_loss" if k in ("train", "val") else k: v for k, v in losses.items()},
-                            "elapsed": state.elapsed()},
-                           f"eval {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
-                           + (" (best)" if improved else ""))
-                if it > start_iter and (improved or c["always_save_checkpoint"]):
-                    state.save(run, ckpt_path, logger)
+                losses = run.evaluate(stop)
+                stopping = losses is None  # a stop request cut it short
+                if not stopping:
+                    state.evaluated_at = it
+                    improved = losses["val"] < state.best_val
+                    state.best_val = min(state.best_val, losses["val"])
+                    logger.log({"iter": it, **{f"{k}_loss" if k in ("train", "val") else k: v for k, v in losses.items()},
+                                "elapsed": state.elapsed()},
+                               f"eval {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+                               + (" (best)" if improved else ""))
+                    if it > start_iter and (improved or c["always_save_checkpoint"]):
+                        state.save(run, ckpt_path, logger)
                 last_log_time, last_log_iter = time.perf_counter(), it  # evaluation is not throughput
-            if it >= c["max_iters"]:
+            if it >= c["max_iters"] and not stopping:
                 break
 
             # one optimizer step, logged every log_interval steps
-            lr = get_lr(it, c)
-            loss_sum, ce_sum, grad_norm, first_bad, skipped = run.step(it, lr, first_bad)
-            if skipped:
-                logger.print(f"iteration {it}: non-finite loss or gradient norm, step skipped")
-            logger.step()
-            if it % c["log_interval"] == 0 or it == c["max_iters"] - 1:
-                now = time.perf_counter()
-                record, line = step_record(run, it, lr, loss_sum, ce_sum, grad_norm, skipped, now - last_log_time,
-                                           it + 1 - last_log_iter, state.elapsed())
-                check_finite(first_bad, ckpt_path)
-                logger.log(record, line)
-                last_log_time, last_log_iter = now, it + 1
-            state.iter_num = it + 1
+            if not stopping:
+                lr = get_lr(it, c)
+                loss_sum, ce_sum, grad_norm, first_bad, skipped = run.step(it, lr, first_bad)
+                if skipped:
+                    logger.print(f"iteration {it}: non-finite loss or gradient norm, step skipped")
+                logger.step()
+                if it % c["log_interval"] == 0 or it == c["max_iters"] - 1:
+                    now = time.perf_counter()
+                    record, line = step_record(run, it, lr, loss_sum, ce_sum, grad_norm, skipped, now - last_log_time,
+                                               it + 1 - last_log_iter, state.elapsed())
+                    check_finite(first_bad, ckpt_path)
+                    logger.log(record, line)
+                    last_log_time, last_log_iter = now, it + 1
+                state.iter_num = it + 1
 
             # every process must stop after the same step: agree on it (one small all-reduce per step
             # under torchrun; nothing in a single process)
-            if world.any(stop.signum is not None, run.device):
+            if stopping or world.any(stop.signum is not None, run.device):
                 check_finite(first_bad, ckpt_path)
                 if c["always_save_checkpoint"]:
                     state.save(run, ckpt_path, logger)
@@ -584,8 +604,9 @@ def train(values, explicit):
                 return {"iter": state.iter_num, "signal": int(signum), "best_val_loss": state.best_val}
         return {"iter": state.iter_num, "signal": None, "best_val_loss": state.best_val}
     finally:
-        stop.close()
-        logger.close()
+        for part in (stop, logger):
+            if part is not None:
+                part.close()
         world.close()
         if lock is not None:
             lock.release()

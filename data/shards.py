@@ -54,29 +54,50 @@ def load_source(args, hub_id, hub_config, hub_val_split):
                 os.path.splitext(files[0])[1])
             if kind is None:
                 raise DataError(f"{files[0]}: unsupported file type; use .parquet, .jsonl, .json or .txt")
-            extra = {"sample_by": "document"} if kind == "text" else {}  # a .txt file is one document
+            extra = {"sample_by": "paragraph"} if kind == "text" else {}  # documents: blank-line separated
             return datasets.load_dataset(kind, data_files=files, split="train", **extra, **common)
 
         train = local(args.data_files)
         val = local(args.val_files) if args.val_files else None
     else:
+        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
+        if offline or not hub_reachable():
+            raise DataError(f"cannot read {hub_id} from the Hugging Face Hub (offline: HF_DATASETS_OFFLINE/"
+                            "HF_HUB_OFFLINE, or no network); download its parquet files elsewhere and pass "
+                            "them with --data_files") from None
         try:
             load = lambda split: datasets.load_dataset(  # noqa: E731
                 hub_id, hub_config, split=split, revision=args.revision, streaming=args.streaming, **common)
             train = load("train")
             val = load(hub_val_split) if hub_val_split else None
         except Exception as e:
-            if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1" or "connect" in str(e).lower():
-                raise DataError(f"cannot read {hub_id} from the Hugging Face Hub (offline: HF_DATASETS_OFFLINE/"
-                                "HF_HUB_OFFLINE, or no network); download its parquet files elsewhere and pass "
-                                "them with --data_files") from None
-            raise DataError(f"cannot load {hub_id} from the Hub: {type(e).__name__}: {e}") from None
+            raise DataError(f"cannot load {hub_id} from the Hub ({type(e).__name__}: {str(e)[:200]}); download its "
+                            "parquet files where there is network and pass them with --data_files") from None
     if args.text_column not in train.column_names:
         raise DataError(f"no column {args.text_column!r} in the data (columns: {train.column_names}); "
                         "pass --text_column")
     if val is not None:
         return {"val": (val, 0, None), "train": (train, 0, None)}
+    if hasattr(train, "__len__") and len(train) <= args.val_docs:
+        raise DataError(f"the data has {len(train):,} documents and --val_docs={args.val_docs} would hold out all of "
+                        "them; lower --val_docs, add files, or give --val_files (a .txt file is split into documents "
+                        "at blank lines)")
     return {"val": (train, 0, args.val_docs), "train": (train, args.val_docs, None)}
+
+
+def hub_reachable(timeout=5):
+    """A TCP connection to the Hub's endpoint: seconds, where datasets' own retries take half a minute."""
+    import socket
+    import urllib.parse
+
+    from huggingface_hub import constants
+
+    url = urllib.parse.urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def encode_column(batch, encoding, column):
@@ -191,6 +212,10 @@ def main(description, name, hub_id, hub_config=None, hub_val_split=None, hub_rev
             counts[split], finished = write_split(split, sources[split], tokenizer, args, settings,
                                                   args.max_shards if split == "train" else None)
             complete &= finished
+        empty = [split for split in ("train", "val") if counts[split] == 0]
+        if empty:
+            raise DataError(f"the {' and '.join(empty)} split would be empty (train {counts['train']:,} tokens, val "
+                            f"{counts['val']:,}); give more documents or other --val_docs / --val_files")
     except DataError as e:
         sys.exit(f"error: {e}")
     write_meta(args.out_dir, tokenizer, counts, complete=complete, source=origin)

@@ -123,7 +123,7 @@ def test_save_pretrained_refuses_inexpressible(tmp_path, overrides, what):
 
 def test_hub_name_offline_fails_clearly(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache: nothing to fall back on
-    with pytest.raises(RuntimeError, match="could not download 'gpt2-medium'.*pass the directory"):
+    with pytest.raises(ValueError, match="could not download 'gpt2-medium'.*hf download.*pass that directory"):
         GPT.from_pretrained("gpt2-medium")
 
 

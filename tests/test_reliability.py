@@ -57,7 +57,7 @@ def test_invalid_training_values(capsys, tmp_path, char_dataset, args, message):
 def test_empty_and_missing_data(capsys, tmp_path):
     (tmp_path / "empty").mkdir()
     code, err = train_fails(capsys, tmp_path, tmp_path / "empty")
-    assert code == 2 and "no meta.json; run the dataset's prepare script first" in err
+    assert code == 2 and "no meta.json; prepare the dataset first: python data/prepare.py YOUR_FILES --out=empty" in err
     text = make_text(5000)
     prepare_text(text, char_tokenizer_for(text), str(tmp_path / "d"))
     write_tokens(tmp_path / "d" / "val.bin", np.zeros(0, dtype=np.int64), len(set(text)))

@@ -1,0 +1,219 @@
+"""What a new user trips over (issue 15): each as a subprocess, where the exit code and the message matter."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, TINY_RUN, run_script
+
+
+def one_error_line(result):
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
+    return lines[-1]
+
+
+def test_an_unprepared_dataset_names_its_own_prepare_script(tmp_path):
+    """data/shakespeare (GPT-2 BPE) used to be told to run data/shakespeare_char/prepare.py."""
+    data = tmp_path / "shakespeare"
+    data.mkdir()
+    shutil.copy(ROOT / "data" / "shakespeare" / "prepare.py", data / "prepare.py")
+    result = run_script("train.py", f"--dataset={data}", "--init_from=gpt2", "--max_iters=1", env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert f"prepare the dataset first: python {os.path.relpath(data / 'prepare.py', ROOT)}" in line
+    assert "shakespeare_char" not in line
+
+
+def test_backslash_escapes_in_stop_and_start(trained_run):
+    """--stop='\\n' as a shell passes it (a backslash and an n) means a newline, as in --help."""
+    result = run_script("sample.py", f"--out_dir={trained_run}", "--start=The\\nking", "--stop=\\n", "--num_samples=1",
+                        "--temperature=0", "--max_new_tokens=200", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    sample = result.stdout.split("\n---------------\n")[0]
+    assert sample.startswith("The\nking") and "\\" not in sample
+    assert "\n" not in sample[len("The\nking") :]  # cut before the first newline it generated
+
+
+def test_stream_prints_the_prompt_as_batch_mode_does(trained_run):
+    args = [f"--out_dir={trained_run}", "--start=The king", "--num_samples=1", "--seed=3", "--max_new_tokens=30",
+            "--device=cpu"]
+    batch, stream = run_script("sample.py", *args), run_script("sample.py", *args, "--stream=True")
+    assert batch.returncode == 0 and stream.returncode == 0, batch.stderr + stream.stderr
+    assert stream.stdout.startswith("The king")
+    assert stream.stdout == batch.stdout.replace("---------------\n", "")
+
+
+@pytest.mark.parametrize("script", ["sample.py", "train.py"])
+def test_gpt2_offline_is_one_line_naming_hf_download(script, tmp_path, char_dataset):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty-cache")}
+    extra = [f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'out'}"] if script == "train.py" else []
+    result = run_script(script, "--init_from=gpt2", "--device=cpu", *extra, env=env, timeout=120)
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert "could not download 'gpt2'" in line and "hf download openai-community/gpt2" in line
+    assert "huggingface-cli" not in line
+
+
+def test_wandb_not_logged_in_is_one_line_and_releases_the_lock(tmp_path, char_dataset):
+    pytest.importorskip("wandb")
+    args = [*TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'out'}", "--max_iters=2"]
+    env = {"WANDB_MODE": "online", "HOME": str(tmp_path), "WANDB_API_KEY": "", "WANDB_DIR": str(tmp_path)}
+    result = run_script("train.py", *args, "--wandb_log=True", env=env, timeout=120)
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert "wandb could not start" in line and "wandb login" in line and "WANDB_MODE=offline" in line
+    again = run_script("train.py", *args)
+    assert again.returncode == 0, again.stderr
+    assert "took over the lock" not in again.stdout  # the failed run released it
+
+
+def start_training(*args):
+    return subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def finish(proc, timeout=60):
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+
+
+def wait_for(proc, prefix):
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return
+    raise AssertionError(f"no line starting with {prefix!r}: {proc.stderr.read()[-2000:]}")
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_an_evaluation_stops_between_batches(tmp_path, char_dataset):
+    """An evaluation of 10^6 batches would run for many minutes: the stop request is honoured between
+    batches, and the checkpoint holds the last finished step."""
+    args = [*TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path}", "--max_iters=10",
+            "--eval_iters=1000000"]
+    proc = start_training(*args)
+    wait_for(proc, "precision:")
+    time.sleep(1.0)  # well inside the evaluation at step 0
+    started = time.perf_counter()
+    proc.send_signal(signal.SIGINT)
+    out, err = finish(proc)
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert time.perf_counter() - started < 30 and "Traceback" not in err
+    assert "saved" in out and "at iteration 0" in out
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_exits_at_once_with_one_line(tmp_path, char_dataset):
+    big = ["--n_layer=4", "--n_embd=256", "--n_head=4", "--block_size=256", "--batch_size=128"]  # seconds a step
+    proc = start_training(*TINY_RUN, *big, f"--dataset={char_dataset}", f"--out_dir={tmp_path}", "--max_iters=1000",
+                          "--eval_interval=1000")
+    wait_for(proc, "iter 0:")
+    time.sleep(1.0)  # inside the step of iteration 1, which takes several seconds
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = finish(proc)
+    assert proc.returncode == 128 + signal.SIGINT
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines == [lines[-1]] and lines[-1].startswith("error: interrupted again; stopped at once"), err
+
+
+def gpt2_or_skip():
+    from dataset import TiktokenTokenizer
+
+    try:
+        TiktokenTokenizer("gpt2")
+    except Exception as e:  # no ../shared tiktoken cache and no network
+        pytest.skip(f"tiktoken gpt2 files unavailable: {e}")
+
+
+def prepare_fineweb(tmp_path, *args, env=None):
+    return run_script("data/fineweb/prepare.py", f"--out_dir={tmp_path / 'out'}", f"--cache_dir={tmp_path / 'cache'}",
+                      "--num_proc=1", *args, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_one_text_file_is_split_into_documents(tmp_path):
+    gpt2_or_skip()
+    text = tmp_path / "one.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: the king spoke to the queen.\nA second line." for i in range(30)))
+    result = prepare_fineweb(tmp_path, "--data_files", str(text), "--val_docs=3")
+    assert result.returncode == 0, result.stderr
+    counts = [int(s.replace(",", "")) for s in result.stdout.split("train ")[1].split(" tokens")[0:1]]
+    assert counts[0] > 0 and "val 0 tokens" not in result.stdout and "complete" in result.stdout
+    # all of it held out: refused, with the way out, and no meta.json claiming a dataset
+    result = prepare_fineweb(tmp_path / "again", "--data_files", str(text))
+    assert result.returncode != 0
+    assert "30 documents and --val_docs=2000 would hold out all of them" in result.stderr
+    assert not (tmp_path / "again" / "out" / "meta.json").exists()
+
+
+def test_hub_prepare_without_network_fails_at_once_naming_data_files(tmp_path):
+    gpt2_or_skip()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") or k == "HF_HOME"}
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "data/fineweb/prepare.py", f"--out_dir={tmp_path / 'out'}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, env={**env, "HF_HOME": str(tmp_path / "hf")})
+    if result.returncode == 0:
+        pytest.skip("this machine reaches the Hugging Face Hub")
+    assert time.perf_counter() - started < 30
+    assert "--data_files" in result.stderr and "Traceback" not in result.stderr
+
+
+def greedy_sample(*args):
+    result = run_script("sample.py", *args, "--start=The king", "--num_samples=1", "--temperature=0",
+                        "--max_new_tokens=20", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split("\n---------------\n")[0]
+
+
+@pytest.mark.slow
+def test_export_round_trip_gpt2_bpe(tmp_path):
+    """GPT-2-shaped BPE model -> export.py -> transformers' AutoTokenizer + AutoModelForCausalLM: the same
+    greedy text as sample.py, and sample.py --init_from=<export> gives it too."""
+    transformers = pytest.importorskip("transformers")
+    gpt2_or_skip()
+    from conftest import make_text
+    from dataset import TiktokenTokenizer, prepare_text
+
+    prepare_text(make_text(20_000), TiktokenTokenizer("gpt2"), str(tmp_path / "data"))
+    out, hf_dir = tmp_path / "run", tmp_path / "hf"
+    trained = run_script("train.py", *TINY_RUN, f"--dataset={tmp_path / 'data'}", f"--out_dir={out}", "--max_iters=3")
+    assert trained.returncode == 0, trained.stderr
+    exported = run_script("export.py", f"--out_dir={out}", f"--hf_dir={hf_dir}")
+    assert exported.returncode == 0 and "GPT-2's BPE" in exported.stdout, exported.stderr
+    ours = greedy_sample(f"--out_dir={out}")
+    assert greedy_sample(f"--init_from={hf_dir}") == ours
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    ids = tokenizer("The king", return_tensors="pt").input_ids
+    assert ids[0].tolist() == TiktokenTokenizer("gpt2").encode("The king")
+    generated = model.generate(ids, attention_mask=ids.new_ones(ids.shape), max_new_tokens=20, min_new_tokens=20,
+                               do_sample=False, pad_token_id=0)
+    assert tokenizer.decode(generated[0]) == ours
+
+
+def test_export_of_a_character_model_has_a_tokenizer_transformers_loads(tmp_path, trained_run):
+    transformers = pytest.importorskip("transformers")
+    hf_dir = tmp_path / "hf"
+    exported = run_script("export.py", f"--out_dir={trained_run}", f"--hf_dir={hf_dir}")
+    assert exported.returncode == 0 and "character vocabulary" in exported.stdout, exported.stderr
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    from checkpoint import load_model
+    from dataset import tokenizer_from_meta
+
+    ours = tokenizer_from_meta(load_model(trained_run)[1]["tokenizer"])
+    text = "The king speak thou\nnoble heart."
+    assert tokenizer.encode(text, add_special_tokens=False) == ours.encode(text) != []
+    assert tokenizer.decode(ours.encode(text)) == text
+    assert greedy_sample(f"--init_from={hf_dir}") == greedy_sample(f"--out_dir={trained_run}")
