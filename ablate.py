@@ -25,6 +25,7 @@ from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_confi
 from configurator import ConfigError, fail, keys_of, parse_dict, parse_or_exit, read_config_file
 from dataset import DataError
 from model import GPT, GPTConfig
+from plot import line_style, pyplot
 import train
 
 
@@ -165,12 +166,8 @@ def write_results(rows, root, study, path, n_seeds):
 
 
 def plot(rows, root, title):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         print("matplotlib is not installed: skipped loss_curves.png (pip install matplotlib)")
         return None
     fig, ax = plt.subplots(figsize=(8.5, 4.2), dpi=100)
@@ -181,8 +178,7 @@ def plot(rows, root, title):
         n = min(len(c) for c in curves)  # mean over seeds at the evaluations they share
         xs = [curves[0][i][0] for i in range(n)]
         ys = [statistics.mean(c[i][1] for c in curves) for i in range(n)]
-        # from the first evaluation after step 0; past the 10 default colours, the line style tells apart
-        ax.plot(xs[1:], ys[1:], label=name, linestyle=("-", "--", ":")[i // 10 % 3])
+        ax.plot(xs[1:], ys[1:], label=name, linestyle=line_style(i))  # from the first evaluation after step 0
     ax.set_xlabel("training tokens")
     ax.set_ylabel("val loss (mean over seeds)")
     ax.set_title(title, fontsize=10)

@@ -1,0 +1,121 @@
+"""
+Plots training runs from their metrics.jsonl: train and val loss against step and against wall time,
+learning rate, gradient norm and tokens/s, several runs overlaid, in one PNG; and a text summary.
+
+  python plot.py out-shakespeare-char-cpu                      -> out-shakespeare-char-cpu/curves.png
+  python plot.py out-a out-b out-c --out=compare.png           several runs, one legend
+
+The PNG needs matplotlib (pip install matplotlib); without it the summary is printed alone.
+"""
+
+import os
+import sys
+
+from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, read_metrics
+from configurator import fail
+
+STYLES = ("-", "--", ":")  # past matplotlib's 10 default colours, the line style tells runs apart
+
+
+def pyplot():
+    """matplotlib.pyplot drawing to files, or None when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def line_style(i):
+    return STYLES[i // 10 % len(STYLES)]
+
+
+def read_run(out_dir):
+    """(steps, evals, tokens per step or None) of one run."""
+    records = read_metrics(out_dir)
+    if not records:
+        raise CheckpointError(f"{out_dir}: no metrics.jsonl (or it is empty); give the out_dir of a training run")
+    tokens_per_step = None
+    path = os.path.join(out_dir, CHECKPOINT)
+    if os.path.exists(path):
+        c = load_checkpoint(path)["train_config"]
+        tokens_per_step = c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"]
+    return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r], tokens_per_step
+
+
+def summary(name, steps, evals, tokens_per_step):
+    if not evals:
+        return f"{name}: {len(steps)} steps logged, no evaluation yet"
+    best = min(evals, key=lambda r: r["val_loss"])
+    last = evals[-1]
+    tokens = f", {last['iter'] * tokens_per_step:,} tokens" if tokens_per_step else ""
+    return (f"{name}: best val {best['val_loss']:.4f} at step {best['iter']}; last val {last['val_loss']:.4f} at step "
+            f"{last['iter']}, {last['elapsed']:.0f} s{tokens}")
+
+
+def draw(runs, path):
+    """runs: name -> (steps, evals). One figure, six panels; returns path, or None without matplotlib."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(2, 3, figsize=(13, 7), dpi=100)
+    panels = [  # (axis, records, x key, y key, x label, y label, log y)
+        (axes[0, 0], "evals", "iter", "val_loss", "step", "val loss", False),
+        (axes[0, 1], "evals", "elapsed", "val_loss", "wall seconds", "val loss", False),
+        (axes[0, 2], "steps", "iter", "loss", "step", "train loss (per step)", False),
+        (axes[1, 0], "steps", "iter", "lr", "step", "learning rate", False),
+        (axes[1, 1], "steps", "iter", "grad_norm", "step", "gradient norm (before clipping)", True),
+        (axes[1, 2], "steps", "iter", "tokens_per_sec", "step", "tokens/s", False),
+    ]
+    for i, (name, (steps, evals)) in enumerate(runs.items()):
+        records = {"steps": steps, "evals": evals}
+        for ax, kind, x, y, *_ in panels:
+            points = [(r[x], r[y]) for r in records[kind] if y in r and x in r]
+            if kind == "evals":
+                points = points[1:] or points  # step 0's loss (log of the vocabulary) dwarfs the curve
+            if points:
+                ax.plot(*zip(*points), label=name, linestyle=line_style(i), marker="." if kind == "evals" else None)
+    for ax, _, _, _, xlabel, ylabel, log in panels:
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if log:
+            ax.set_yscale("log")
+    axes[0, 0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or "-h" in argv or "--help" in argv:
+        print(__doc__.strip())
+        sys.exit(0 if argv else 2)
+    outs = [a[len("--out=") :] for a in argv if a.startswith("--out=")]
+    unknown = [a for a in argv if a.startswith("-") and not a.startswith("--out=")]
+    dirs = [a for a in argv if not a.startswith("-")]
+    if unknown or not dirs:
+        fail(f"usage: python plot.py OUT_DIR [OUT_DIR ...] [--out=FILE.png]{' (unknown: ' + ' '.join(unknown) + ')' if unknown else ''}")
+    try:
+        names = [os.path.basename(os.path.normpath(d)) or d for d in dirs]
+        if len(set(names)) < len(names):  # two runs named alike (a/out, b/out): label them by the path given
+            names = [f"{d} ({i + 1})" if dirs.count(d) > 1 else d for i, d in enumerate(dirs)]
+        loaded = {name: read_run(d) for name, d in zip(names, dirs)}
+    except CheckpointError as e:
+        fail(e)
+    for name, (steps, evals, tokens_per_step) in loaded.items():
+        print(summary(name, steps, evals, tokens_per_step))
+    path = outs[-1] if outs else os.path.join(dirs[0], "curves.png")
+    if draw({name: (steps, evals) for name, (steps, evals, _) in loaded.items()}, path) is None:
+        print("matplotlib is not installed: printed the summary only (pip install matplotlib for the PNG)")
+    else:
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
