@@ -24,6 +24,8 @@ HEADER = np.dtype(
 )  # fmt: skip
 assert HEADER.itemsize == 64
 
+ROOT = os.path.dirname(os.path.abspath(__file__))  # the project: data/NAME are its prepared datasets
+
 
 class DataError(ValueError):
     pass
@@ -132,6 +134,14 @@ def prepare_hint(data_dir):
     return f"python data/prepare.py YOUR_FILES --out={os.path.basename(os.path.normpath(data_dir))}"
 
 
+def resolve_dataset(name):
+    for candidate in (os.path.join(ROOT, "data", name), name):
+        if os.path.isdir(candidate):
+            return candidate
+    raise DataError(f"dataset {name!r} not found (looked for data/{name} and {name}); prepare it first: "
+                    f"{prepare_hint(os.path.join(ROOT, 'data', name))}")
+
+
 def read_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
@@ -161,6 +171,9 @@ class CharTokenizer:
     def decode(self, ids):
         return "".join(self.chars[i] for i in ids)
 
+    def token_bytes(self):
+        return [len(c.encode("utf-8")) for c in self.chars]
+
     def meta(self):
         return {"kind": "char", "chars": self.chars}
 
@@ -188,6 +201,11 @@ class TiktokenTokenizer:
 
     def decode(self, ids):
         return self.enc.decode(list(ids))
+
+    def token_bytes(self):
+        """UTF-8 bytes each id stands for (special tokens, which are no text, 0): bits per byte's divisor."""
+        special = {self.enc.encode_single_token(s) for s in self.enc.special_tokens_set}
+        return [0 if i in special else len(self.enc.decode_single_token_bytes(i)) for i in range(self.vocab_size)]
 
     def meta(self):
         return {"kind": "tiktoken", "encoding": self.encoding}

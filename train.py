@@ -23,15 +23,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from checkpoint import CHECKPOINT, METRICS, CheckpointError, RunLock, load_checkpoint, model_config, save_checkpoint
 from configurator import ConfigError, fail, keys_of, parse_or_exit
-from dataset import BatchSampler, DataError, open_split, prepare_hint, read_meta
+from dataset import BatchSampler, DataError, open_split, read_meta, resolve_dataset
 from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
 from device import autocast as autocast_for
 from hf import PretrainedError, uses_gpt2_tokenizer
 from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, lm_loss, recording_max_attention_logit
 from optim import OPTIMIZERS, build_optimizers, clip_gradients, get_lr
-
-ROOT = os.path.dirname(os.path.abspath(__file__))
-
 
 @dataclass
 class TrainConfig:
@@ -103,14 +100,6 @@ def check_config(c):
         raise ConfigError("grad_clip and weight_decay must be >= 0")
     if not (0 <= c["beta1"] < 1 and 0 <= c["beta2"] < 1):
         raise ConfigError(f"beta1={c['beta1']} and beta2={c['beta2']} must be in [0, 1)")
-
-
-def resolve_dataset(name):
-    for candidate in (os.path.join(ROOT, "data", name), name):
-        if os.path.isdir(candidate):
-            return candidate
-    raise DataError(f"dataset {name!r} not found (looked for data/{name} and {name}); prepare it first: "
-                    f"{prepare_hint(os.path.join(ROOT, 'data', name))}")
 
 
 class NonFinite(RuntimeError):

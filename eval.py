@@ -1,0 +1,156 @@
+"""
+Scores a trained model on a whole split or a text file: mean loss, perplexity and bits per byte.
+
+  python eval.py --out_dir=out-shakespeare-char-cpu                    the checkpoint's dataset, val split
+  python eval.py --out_dir=DIR --text=FILE --stride=64                 any UTF-8 text, overlapping windows
+  python eval.py --help
+
+Every token but the first is scored once, in windows of block_size tokens: the first window scores all
+its positions, each later one (stride tokens further) only its last stride positions, so every scored
+token sees at least block_size - stride tokens of context (stride = block_size: windows do not overlap).
+Bits per byte = total nats / ln 2 / the UTF-8 bytes of the scored tokens' text: comparable between a
+character model and a BPE model scored on the same text.
+"""
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from checkpoint import CheckpointError, load_model
+from configurator import ConfigError, fail, keys_of, parse_or_exit
+from dataset import DataError, open_split, read_meta, resolve_dataset, tokenizer_from_meta
+from device import COMPUTE_DTYPES, DEVICES, autocast, pick_device, pick_dtype
+
+
+@dataclass
+class EvalConfig:
+    out_dir: str = "out"  # the training run whose ckpt.pt to score
+    dataset: str = ""  # a prepared dataset; empty = the one the checkpoint was trained on
+    split: str = "val"  # val | train
+    text: str = ""  # score this UTF-8 file instead of a dataset split
+    stride: int = 0  # tokens between window starts; 0 = block_size (no overlap)
+    batch_size: int = 8  # windows per forward pass
+    device: str = "auto"  # auto | cpu | cuda | mps
+    dtype: str = "float32"  # compute dtype: float32 (exact) | auto | bfloat16 | float16
+    json: str = ""  # also write the results to this JSON file
+
+
+EVAL_CHOICES = {"device": DEVICES, "dtype": COMPUTE_DTYPES, "split": ("val", "train")}
+
+
+def windows(n_tokens, block_size, stride):
+    """(begin, end, scored) per window over a sequence of n_tokens: inputs are tokens begin..end-1, their
+    targets begin+1..end, and the last `scored` of those targets are scored here (each target once)."""
+    out, scored_until = [], 0
+    for begin in range(0, n_tokens - 1, stride):
+        end = min(begin + block_size, n_tokens - 1)
+        out.append((begin, end, end - scored_until))
+        scored_until = end
+        if end == n_tokens - 1:
+            break
+    return out
+
+
+def token_nats(logits, targets, elements=1 << 24):
+    """Cross-entropy per position in float64 (sums over a whole split lose nothing to fp32 rounding), a
+    chunk of vocab-sized rows at a time so a GPT-2 vocabulary does not need gigabytes."""
+    rows, y = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
+    step = max(1, elements // rows.size(1))  # 128 MB of float64 at a time
+    out = [F.cross_entropy(rows[i : i + step].double(), y[i : i + step], reduction="none") for i in range(0, len(y), step)]
+    return torch.cat(out).view(targets.shape)
+
+
+@torch.no_grad()
+def score(model, tokens, stride, batch_size, device, context):
+    """(nats, targets): each scored token's loss (float64) and id, in order, over tokens (1-D int64)."""
+    block_size = model.config.block_size
+    spans = windows(len(tokens), block_size, stride)
+    pieces = []  # (begin, losses, targets) per window
+    for i in range(0, len(spans), batch_size):
+        group = spans[i : i + batch_size]
+        by_length = {}  # the last window can be shorter: one forward pass per length
+        for span in group:
+            by_length.setdefault(span[1] - span[0], []).append(span)
+        for length, same in by_length.items():
+            x = torch.stack([tokens[b:e] for b, e, _ in same]).to(device)
+            y = torch.stack([tokens[b + 1 : e + 1] for b, e, _ in same]).to(device)
+            with context:
+                logits, _ = model(x)
+            nats = token_nats(logits, y)
+            for row, (begin, _, n) in enumerate(same):
+                pieces.append((begin, nats[row, length - n :].double().cpu(), y[row, length - n :].cpu()))
+    pieces.sort(key=lambda piece: piece[0])  # text order, whatever the grouping by length
+    return torch.cat([p[1] for p in pieces]), torch.cat([p[2] for p in pieces])
+
+
+def load_tokens(c, tokenizer, meta):
+    """The token ids to score, from --text or a dataset split (whose tokenizer must be the checkpoint's)."""
+    if c["text"]:
+        try:
+            with open(c["text"], encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"text={c['text']}: cannot read it as UTF-8 text ({e})") from None
+        return torch.tensor(tokenizer.encode(text), dtype=torch.long)
+    data_dir = resolve_dataset(c["dataset"])
+    data_meta = read_meta(data_dir)
+    if data_meta["tokenizer"] != meta:
+        raise DataError(f"dataset {c['dataset']!r} uses tokenizer {data_meta['tokenizer']}, but the checkpoint was "
+                        f"trained with {meta}; score it on text its tokenizer covers (--text) or its own dataset")
+    files = open_split(data_dir, c["split"], data_meta["vocab_size"])
+    return torch.from_numpy(np.concatenate([f.tokens for f in files]).astype(np.int64))
+
+
+def evaluate(c):
+    model, state = load_model(c["out_dir"])
+    meta = state["tokenizer"]
+    tokenizer = tokenizer_from_meta(meta)
+    c = {**c, "dataset": c["dataset"] or state["train_config"]["dataset"]}
+    stride = c["stride"] or model.config.block_size
+    if not 1 <= stride <= model.config.block_size:
+        raise ConfigError(f"stride={stride} must be in [1, block_size={model.config.block_size}]")
+    if c["batch_size"] < 1:
+        raise ConfigError(f"batch_size={c['batch_size']} must be >= 1")
+    tokens = load_tokens(c, tokenizer, meta)
+    if len(tokens) < 2:
+        raise DataError("fewer than 2 tokens: nothing to score")
+    device = pick_device(c["device"])
+    dtype = pick_dtype(c["dtype"], torch.device(device).type)
+    model = model.to(device).eval()
+    losses, scored = score(model, tokens, stride, c["batch_size"], device, autocast(torch.device(device).type, dtype))
+    nats = losses.sum().item()
+    n_bytes = int(torch.tensor(tokenizer.token_bytes(), dtype=torch.long)[scored].sum())
+    return {
+        "source": c["text"] or f"{c['dataset']}/{c['split']}", "tokenizer": meta.get("kind"), "tokens": len(scored),
+        "bytes": n_bytes, "loss": nats / len(scored), "perplexity": math.exp(nats / len(scored)),
+        "bits_per_byte": nats / math.log(2) / n_bytes if n_bytes else None, "block_size": model.config.block_size,
+        "stride": stride, "dtype": dtype,
+    }  # fmt: skip
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    c, _ = parse_or_exit(keys_of(EvalConfig, EVAL_CHOICES), argv, "python eval.py --out_dir=DIR [--key=value ...]",
+                         __doc__.strip().splitlines()[0])
+    try:
+        result = evaluate(c)
+    except (ConfigError, DataError, CheckpointError) as e:
+        fail(e)
+    print(f"{result['source']}: {result['tokens']:,} tokens, {result['bytes']:,} bytes | loss {result['loss']:.4f} nats/token, "
+          f"perplexity {result['perplexity']:.3f}, {result['bits_per_byte']:.4f} bits per byte")
+    if c["json"]:
+        tmp = c["json"] + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=2)
+        os.replace(tmp, c["json"])  # nothing half-written
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""eval.py: bits per byte right by construction, the stride honest, bad input refused (issue 16)."""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import eval as evaluation
+from checkpoint import load_checkpoint, load_model, save_checkpoint
+from conftest import run_script
+
+TEXT = "The king speak thou noble heart.\nThe queen hath love, the lord doth war.\n" * 6
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT)
+    return str(path)
+
+
+def test_windows_score_every_target_once():
+    for n, block, stride in [(100, 32, 32), (100, 32, 8), (33, 32, 32), (2, 32, 5), (97, 16, 3)]:
+        spans = evaluation.windows(n, block, stride)
+        scored = [t for begin, end, k in spans for t in range(end - k + 1, end + 1)]
+        assert scored == list(range(1, n))  # targets 1..n-1, each once, in order
+        assert all(end - begin <= block and end - k - begin >= min(block - stride, end - k - begin) for begin, end, k in spans)
+
+
+def test_a_model_with_zero_logits_scores_log2_vocab_bits_per_token(tmp_path, trained_run, text_file):
+    state = load_checkpoint(os.path.join(trained_run, "ckpt.pt"))
+    state["model"] = {k: torch.zeros_like(v) if k in ("tok_emb.weight", "lm_head.weight") else v
+                      for k, v in state["model"].items()}
+    (tmp_path / "zero").mkdir()
+    save_checkpoint(str(tmp_path / "zero" / "ckpt.pt"), state)
+    r = evaluation.main([f"--out_dir={tmp_path / 'zero'}", f"--text={text_file}", "--device=cpu"])
+    vocab = state["model_config"]["vocab_size"]
+    assert r["tokens"] == len(TEXT) - 1 and r["bytes"] == len(TEXT.encode()) - 1
+    assert r["loss"] == pytest.approx(math.log(vocab), abs=1e-9)
+    assert r["bits_per_byte"] == pytest.approx(math.log2(vocab) * r["tokens"] / r["bytes"], abs=1e-9)
+
+
+def test_loss_and_bytes_match_a_hand_computation(trained_run, text_file):
+    model, state = load_model(trained_run)
+    from dataset import tokenizer_from_meta
+
+    ids = torch.tensor(tokenizer_from_meta(state["tokenizer"]).encode(TEXT))
+    B = model.config.block_size
+    nats = 0.0
+    with torch.no_grad():
+        for begin in range(0, len(ids) - 1, B):  # non-overlapping windows, every position scored
+            x, y = ids[begin : begin + B], ids[begin + 1 : begin + B + 1]
+            x = x[: len(y)]
+            nats += F.cross_entropy(model(x[None])[0][0].double(), y, reduction="sum").item()
+    r = evaluation.main([f"--out_dir={trained_run}", f"--text={text_file}", "--device=cpu", "--batch_size=3"])
+    assert r["loss"] * r["tokens"] == pytest.approx(nats, rel=1e-6)
+    assert r["bits_per_byte"] == pytest.approx(nats / math.log(2) / (len(TEXT.encode()) - 1), rel=1e-6)
+    # a character model: bits per byte = nats per character / ln 2 * characters / bytes
+    assert r["bits_per_byte"] == pytest.approx(r["loss"] / math.log(2) * r["tokens"] / r["bytes"], rel=1e-12)
+
+
+def test_with_a_stride_each_token_is_the_last_position_of_its_own_window(trained_run, text_file):
+    model, state = load_model(trained_run)
+    from dataset import tokenizer_from_meta
+
+    ids = torch.tensor(tokenizer_from_meta(state["tokenizer"]).encode(TEXT))
+    B, stride = model.config.block_size, 5
+    losses, targets = evaluation.score(model.eval(), ids, stride, 4, "cpu", torch.autocast("cpu", enabled=False))
+    assert targets.tolist() == ids[1:].tolist()
+    with torch.no_grad():
+        for begin, end, n in evaluation.windows(len(ids), B, stride):
+            for t in range(end - n + 1, end + 1):  # target index t, predicted from tokens begin..t-1
+                window = ids[begin:t]
+                assert len(window) >= min(B - stride, t)  # context it is promised
+                expected = F.cross_entropy(model(window[None])[0][0, -1].double(), ids[t]).item()
+                assert losses[t - 1].item() == pytest.approx(expected, abs=1e-5)
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, trained_run, char_dataset):
+    out = tmp_path / "result.json"
+    strange = tmp_path / "strange.txt"
+    strange.write_text("The king \u00a7 speaks")
+    cases = [
+        ([f"--text={strange}"], "characters not in the vocabulary"),
+        ([f"--text={tmp_path / 'missing.txt'}"], "cannot read it as UTF-8 text"),
+        (["--stride=0", "--stride=999"], "stride=999 must be in [1, block_size=32]"),
+        (["--dataset=/no/such/data"], "dataset '/no/such/data' not found"),
+    ]
+    for args, message in cases:
+        result = run_script("eval.py", f"--out_dir={trained_run}", f"--json={out}", "--device=cpu", *args)
+        assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+        assert not out.exists()
+
+
+def test_another_tokenizers_dataset_is_refused(tmp_path, trained_run):
+    from conftest import make_text
+    from dataset import char_tokenizer_for, prepare_text
+
+    text = make_text(5000, seed=9).upper()
+    prepare_text(text, char_tokenizer_for(text), str(tmp_path / "upper"))
+    result = run_script("eval.py", f"--out_dir={trained_run}", f"--dataset={tmp_path / 'upper'}", "--device=cpu")
+    assert result.returncode == 2 and "but the checkpoint was trained with" in result.stderr
+
+
+def test_the_checkpoints_own_dataset_by_default_and_json(tmp_path, trained_run):
+    out = tmp_path / "r.json"
+    result = run_script("eval.py", f"--out_dir={trained_run}", f"--json={out}", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    saved = json.loads(out.read_text())
+    assert saved["source"].endswith("/val") and saved["tokens"] > 1000 and 0 < saved["bits_per_byte"] < 8
