@@ -103,13 +103,15 @@ def summarize(runs, root):
         records = read_metrics(out_dir)
         evals = [r for r in records if "val_loss" in r]
         steps = [r for r in records if "tokens_per_sec" in r]
-        row = rows.setdefault(name, {"final": [], "best": [], "tps": [], "diverged": 0, "params": None,
+        row = rows.setdefault(name, {"final": [], "best": [], "bpb": [], "tps": [], "diverged": 0, "params": None,
                                      "curves": [], "evals": []})
         if os.path.exists(os.path.join(out_dir, "diverged")):
             row["diverged"] += 1
         elif evals:
             row["final"].append(evals[-1]["val_loss"])
             row["best"].append(min(r["val_loss"] for r in evals))
+            if "val_bpb" in evals[-1]:  # comparable across tokenizers, where val loss is not
+                row["bpb"].append(evals[-1]["val_bpb"])
         if steps:
             row["tps"].append(statistics.median(r["tokens_per_sec"] for r in steps))
         tokens_per_step = values["batch_size"] * values["block_size"] * values["gradient_accumulation_steps"]
@@ -137,13 +139,14 @@ def mean_std(values):
 def write_results(rows, root, study, path, n_seeds):
     lines = [f"# {study.get('title', os.path.basename(path))}", "",
              f"`python ablate.py {path}`: {n_seeds} seed(s) per variant; val loss as mean ± std over seeds.", "",
-             "| variant | parameters | final val loss | best val loss | tokens/s | diverged |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| variant | parameters | final val loss | best val loss | final val bits per byte | tokens/s | diverged |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in rows.items():
         tps = f"{statistics.mean(row['tps']):,.0f}" if row["tps"] else "-"
         diverged = f"yes ({row['diverged']}/{n_seeds})" if row["diverged"] else "no"
         params = f"{row['params']:,}" if row["params"] else "-"
-        lines.append(f"| {name} | {params} | {mean_std(row['final'])} | {mean_std(row['best'])} | {tps} | {diverged} |")
+        lines.append(f"| {name} | {params} | {mean_std(row['final'])} | {mean_std(row['best'])} | {mean_std(row['bpb'])} "
+                     f"| {tps} | {diverged} |")
     if study.get("targets"):
         lines += ["", "Steps to reach a val loss (median over seeds; - where a seed never got there):", "",
                   "| variant | " + " | ".join(f"val <= {t:g}" for t in study["targets"]) + " |",

@@ -10,6 +10,7 @@ key too. Unknown keys and wrong types exit with status 2 before anything runs.
 """
 
 import json
+import math
 import os
 import signal
 import sys
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from checkpoint import CHECKPOINT, METRICS, CheckpointError, RunLock, load_checkpoint, model_config, save_checkpoint
 from configurator import ConfigError, fail, keys_of, parse_or_exit
-from dataset import BatchSampler, DataError, open_split, read_meta, resolve_dataset
+from dataset import BatchSampler, DataError, open_split, read_meta, resolve_dataset, tokenizer_from_meta
 from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
 from device import autocast as autocast_for
 from hf import PretrainedError, uses_gpt2_tokenizer
@@ -291,6 +292,10 @@ class Run:
         torch.manual_seed(c["seed"] + world.rank)  # then a dropout stream of its own per process
         splits = {s: open_split(data_dir, s, self.data_meta["vocab_size"]) for s in ("train", "val")}
         self.train_batches = BatchSampler(splits["train"], config.block_size, seed=c["seed"])
+        try:  # UTF-8 bytes per token id, for val bits per byte; None where the tokenizer cannot load
+            self.token_bytes = torch.tensor(tokenizer_from_meta(self.data_meta["tokenizer"]).token_bytes())
+        except DataError:
+            self.token_bytes = None
         self.eval_batches = {s: BatchSampler(files, config.block_size, seed=0) for s, files in splits.items()}
 
         # Full weights load before sharding; FSDP2 then shards them in place, and the optimizer must see
@@ -344,17 +349,23 @@ class Run:
         for i, (split, sampler) in enumerate(self.eval_batches.items()):
             sampler.generator.manual_seed(c["seed"] + 1 + i)
             total = torch.zeros((), device=self.device)
+            n_bytes = 0  # of every batch (each process draws them all): no collective needed
             for k in range(c["eval_iters"]):
                 if stop.signum is not None and not world.enabled:  # under torchrun: after the evaluation
                     self.model.train()
                     return None
                 x, y = sampler.sample(c["batch_size"])
+                if self.token_bytes is not None:
+                    n_bytes += int(self.token_bytes[y].sum())
                 if k % world.size != world.rank:
                     continue
                 with self.autocast:
                     logits, _ = self.model(self.to_device(x))
                 total += lm_loss(logits, self.to_device(y))[1].float()
             result[split] = (world.mean(total) * world.size / c["eval_iters"]).item()
+            if split == "val" and n_bytes:  # bits per byte: comparable across tokenizers
+                tokens = c["eval_iters"] * c["batch_size"] * self.config.block_size
+                result["val_bpb"] = result["val"] * tokens / math.log(2) / n_bytes
         if c["log_stability"]:  # on one val batch: the instabilities' two symptoms
             x, _ = self.eval_batches["val"].sample(c["batch_size"])
             with recording_max_attention_logit(self.raw_model) as logits_max, self.autocast:
@@ -557,6 +568,7 @@ def train(values, explicit):
                     logger.log({"iter": it, **{f"{k}_loss" if k in ("train", "val") else k: v for k, v in losses.items()},
                                 "elapsed": state.elapsed()},
                                f"eval {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
+                               + (f" ({losses['val_bpb']:.4f} bits per byte)" if "val_bpb" in losses else "")
                                + (" (best)" if improved else ""))
                     if it > start_iter and (improved or c["always_save_checkpoint"]):
                         state.save(run, ckpt_path, logger)

@@ -28,6 +28,7 @@ def test_runs_every_variant_and_seed_then_tables(tmp_path, char_dataset, capsys)
             and not line.startswith("| ---")]
     assert [r.split(" | ")[0] for r in rows] == ["| learned", "| rope", "| learned", "| rope"]
     assert all("±" in r and r.endswith("| no |") for r in rows[:2])
+    assert "| final val bits per byte |" in table and all(r.split(" | ")[4].count("±") == 1 for r in rows[:2])
     assert "| learned | 0 | - |" in table  # val <= 4.5 from the start; 0.1 never
     for variant in ("learned", "rope"):
         for seed in (1, 2):

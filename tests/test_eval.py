@@ -111,3 +111,11 @@ def test_the_checkpoints_own_dataset_by_default_and_json(tmp_path, trained_run):
     assert result.returncode == 0, result.stderr
     saved = json.loads(out.read_text())
     assert saved["source"].endswith("/val") and saved["tokens"] > 1000 and 0 < saved["bits_per_byte"] < 8
+
+
+def test_training_logs_val_bits_per_byte(trained_run):
+    """The generated verse is ASCII: a byte per character, so bits per byte = nats per character / ln 2."""
+    from conftest import read_metrics
+
+    evals = [r for r in read_metrics(trained_run) if "val_loss" in r]
+    assert evals and all(r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2), rel=1e-9) for r in evals)

@@ -75,7 +75,11 @@ def compare(old, new):
     for d in (old, new):
         with open(os.path.join(d, "run", "metrics.jsonl")) as f:
             metrics.append([{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f])
-    if metrics[0] != metrics[1]:
+    added = sorted({k for record in metrics[1] for k in record} - {k for record in metrics[0] for k in record})
+    if added:
+        print(f"new metrics.jsonl keys (not compared): {', '.join(added)}")
+    if len(metrics[0]) != len(metrics[1]) or any(a != {k: b[k] for k in a if k in b} or a.keys() - b.keys()
+                                                 for a, b in zip(*metrics)):
         problems.append("metrics.jsonl differs")
     weights = [torch.load(os.path.join(d, "run", "ckpt.pt"), weights_only=True)["model"] for d in (old, new)]
     if weights[0].keys() != weights[1].keys():
