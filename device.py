@@ -178,6 +178,11 @@ class Dist:
 
     def close(self):
         if self.enabled:
+            # A barrier first: it waits with the GIL released, so gloo's worker thread can free the last
+            # collective's work (all_gather_object's holds Python tensors). Without it the DDP reducer,
+            # freed later with the GIL held, joined that thread while it waited for the GIL: a deadlock
+            # at exit seen about once in a few CI runs.
+            dist.barrier()
             dist.destroy_process_group()
 
 
