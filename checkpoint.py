@@ -45,11 +45,13 @@ def save_checkpoint(path, state):
         raise OSError(e.errno, f"could not write {path} ({e.strerror}); the previous checkpoint is untouched") from None
 
 
-def load_checkpoint(path, map_location="cpu"):
+def load_checkpoint(path, map_location="cpu", mmap=False):
+    """The checkpoint's state, checked. mmap=True maps the tensors instead of reading them: for callers
+    that want its configs only."""
     if not os.path.exists(path):
         raise CheckpointError(f"{path}: no such checkpoint; train one first, or check out_dir")
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         if "weights_only" in str(e) or "Unsupported global" in str(e):
             raise CheckpointError(f"{path}: refused: it contains pickled Python objects beyond tensors and "

@@ -340,7 +340,7 @@ def save_tokenizer(meta, directory, max_length):
         import tiktoken
 
         encoding = tiktoken.get_encoding("gpt2")
-        ranks = encoding._mergeable_ranks  # bytes -> id: the BPE itself, as tiktoken loaded it
+        ranks = {token: encoding.encode_single_token(token) for token in encoding.token_byte_values()}  # bytes -> id
         alphabet = byte_to_unicode()
         text = lambda token: "".join(alphabet[b] for b in token)  # noqa: E731
         vocab = {text(token): rank for token, rank in ranks.items()}

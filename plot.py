@@ -41,7 +41,7 @@ def read_run(out_dir):
     tokens_per_step = None
     path = os.path.join(out_dir, CHECKPOINT)
     if os.path.exists(path):
-        c = load_checkpoint(path)["train_config"]
+        c = load_checkpoint(path, mmap=True)["train_config"]  # the configs only: the weights stay on disk
         tokens_per_step = c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"]
     return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r], tokens_per_step
 

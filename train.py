@@ -255,8 +255,8 @@ def main(argv=None):
 
 class Run:
     """One process's share of a training run: its device and process group, data, model (wrapped for
-    compile and DDP/FSDP2), optimizers and loss scaler, with the three things a step loop does to them:
-    evaluate(), step() and the checkpoint's model/optimizer state."""
+    compile and DDP/FSDP2), optimizers and loss scaler, with what the step loop does to them: evaluate()
+    and step(). Saving and restoring them is RunState's."""
 
     def __init__(self, c, explicit, ckpt):
         # device, processes, precision
