@@ -19,7 +19,8 @@ import zipfile
 import torch
 
 from configurator import ConfigError
-from dataset import atomic_write
+from dataset import atomic_write, tokenizer_from_meta
+from hf import pretrained_tokenizer
 from model import MODEL_KEYS, GPT, GPTConfig
 
 FORMAT = 1
@@ -86,6 +87,16 @@ def load_model(out_dir):
     path = os.path.join(out_dir, CHECKPOINT)
     state = load_checkpoint(path)
     return model_from_checkpoint(state, path), state
+
+
+def model_and_tokenizer(init_from, out_dir):
+    """(model, tokenizer, checkpoint state or None): out_dir's checkpoint (init_from=resume), or a
+    pretrained name or Hugging Face directory (sample.py's and eval.py's --init_from)."""
+    if init_from == "resume":
+        model, state = load_model(out_dir)
+        return model, tokenizer_from_meta(state["tokenizer"]), state
+    model = GPT.from_pretrained(init_from)
+    return model, pretrained_tokenizer(init_from, model), None
 
 
 def model_config(values):

@@ -142,6 +142,24 @@ def resolve_dataset(name):
                     f"{prepare_hint(os.path.join(ROOT, 'data', name))}")
 
 
+def hub_offline():
+    """Whether HF_HUB_OFFLINE or HF_DATASETS_OFFLINE asks Hugging Face's libraries not to use the network."""
+    return any(os.environ.get(v, "").upper() in ("1", "ON", "YES", "TRUE") for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def hub_reachable(timeout=5):
+    """A TCP connection to the Hub's endpoint: seconds, where datasets' own retries take half a minute."""
+    import socket
+    import urllib.parse
+
+    url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def read_meta(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):

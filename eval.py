@@ -3,6 +3,8 @@ Scores a trained model on a whole split or a text file: mean loss, perplexity an
 
   python eval.py --out_dir=out-shakespeare-char-cpu                    the checkpoint's dataset, val split
   python eval.py --out_dir=DIR --text=FILE --stride=64                 any UTF-8 text, overlapping windows
+  python eval.py --out_dir=DIR --tasks=hellaswag,lambada_openai        lm-evaluation-harness tasks
+  python eval.py --init_from=gpt2 --tasks=arc_easy --limit=100          a Hugging Face model
   python eval.py --help
 
 Every token but the first is scored once, in windows of block_size tokens: the first window scores all
@@ -10,6 +12,11 @@ its positions, each later one (stride tokens further) only its last stride posit
 token sees at least block_size - stride tokens of context (stride = block_size: windows do not overlap).
 Bits per byte = total nats / ln 2 / the UTF-8 bytes of the scored tokens' text: comparable between a
 character model and a BPE model scored on the same text.
+
+--tasks runs lm-evaluation-harness tasks instead (pip install -r requirements-eval.txt): harness.py scores
+each request as lm-eval's own Hugging Face backend does, so the numbers compare with published ones. Task
+data comes from the Hugging Face Hub (or its local cache); offline, write the task as a YAML file with
+local data files and pass its folder with --include_path.
 """
 
 import json
@@ -17,25 +24,32 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from checkpoint import CheckpointError, load_model
+from checkpoint import CheckpointError, model_and_tokenizer
 from configurator import ConfigError, fail, keys_of, parse_or_exit
-from dataset import DataError, open_split, read_meta, resolve_dataset, tokenizer_from_meta
+from dataset import DataError, hub_offline, hub_reachable, open_split, read_meta, resolve_dataset
 from device import COMPUTE_DTYPES, DEVICES, autocast, pick_device, pick_dtype
+from hf import PretrainedError
 
 
 @dataclass
 class EvalConfig:
-    out_dir: str = "out"  # the training run whose ckpt.pt to score
+    out_dir: str = "out"  # the training run whose ckpt.pt to score (init_from=resume)
+    init_from: str = "resume"  # resume (out_dir/ckpt.pt) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a Hugging Face model directory
     dataset: str = ""  # a prepared dataset; empty = the one the checkpoint was trained on
     split: str = "val"  # val | train
     text: str = ""  # score this UTF-8 file instead of a dataset split
     stride: int = 0  # tokens between window starts; 0 = block_size (no overlap)
-    batch_size: int = 8  # windows per forward pass
+    batch_size: int = 8  # windows (or lm-eval requests) per forward pass
+    tasks: str = ""  # lm-evaluation-harness tasks, comma-separated (e.g. hellaswag,lambada_openai); replaces the split's score
+    limit: float = 0  # lm-eval: documents per task; below 1, a fraction of each task; 0 = all
+    num_fewshot: Optional[int] = None  # lm-eval: few-shot examples per prompt; None = each task's default
+    include_path: str = ""  # lm-eval: a folder of task YAML files (local data: how tasks run offline)
     device: str = "auto"  # auto | cpu | cuda | mps
     dtype: str = "float32"  # compute dtype: float32 (exact) | auto | bfloat16 | float16
     json: str = ""  # also write the results to this JSON file
@@ -108,15 +122,18 @@ def load_tokens(c, tokenizer, meta):
 
 
 def evaluate(c):
-    model, state = load_model(c["out_dir"])
-    meta = state["tokenizer"]
-    tokenizer = tokenizer_from_meta(meta)
-    c = {**c, "dataset": c["dataset"] or state["train_config"]["dataset"]}
+    """Loss, perplexity and bits per byte of a whole split or text file."""
+    model, tokenizer, state = model_and_tokenizer(c["init_from"], c["out_dir"])
+    if not hasattr(tokenizer, "token_bytes"):
+        raise DataError(f"init_from={c['init_from']}: its tokenizer.json gives no per-token byte counts, which bits "
+                        "per byte needs; score it with --tasks, or a GPT-2 (tiktoken) or char model")
+    if state is None and not (c["text"] or c["dataset"]):
+        raise ConfigError(f"init_from={c['init_from']} has no training dataset to default to: give --text=FILE or --dataset=NAME")
+    meta = state["tokenizer"] if state else tokenizer.meta()
+    c = {**c, "dataset": c["dataset"] or (state and state["train_config"]["dataset"])}
     stride = c["stride"] or model.config.block_size
     if not 1 <= stride <= model.config.block_size:
         raise ConfigError(f"stride={stride} must be in [1, block_size={model.config.block_size}]")
-    if c["batch_size"] < 1:
-        raise ConfigError(f"batch_size={c['batch_size']} must be >= 1")
     tokens = load_tokens(c, tokenizer, meta)
     if len(tokens) < 2:
         raise DataError("fewer than 2 tokens: nothing to score")
@@ -134,21 +151,67 @@ def evaluate(c):
     }  # fmt: skip
 
 
+def import_harness():
+    """harness.py, which needs lm_eval. When the Hub cannot be reached, Hugging Face's libraries are put
+    offline first (before they are imported): a task whose data is not cached then fails at once, where
+    datasets' retries would take half a minute."""
+    if not hub_offline() and not hub_reachable(timeout=3):
+        os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+        print("note: the Hugging Face Hub cannot be reached; task data comes from its local cache or --include_path",
+              file=sys.stderr)
+    try:
+        import harness
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "lm_eval":
+            raise
+        raise ConfigError("--tasks needs lm-evaluation-harness, which is not installed: "
+                          "pip install -r requirements-eval.txt") from None
+    return harness
+
+
+def run_tasks(c):
+    """lm-evaluation-harness's results dict for --tasks."""
+    tasks = [t.strip() for t in c["tasks"].split(",") if t.strip()]
+    if c["limit"] < 0:
+        raise ConfigError(f"limit={c['limit']} must be >= 0 (0 = every document)")
+    if c["num_fewshot"] is not None and c["num_fewshot"] < 0:
+        raise ConfigError(f"num_fewshot={c['num_fewshot']} must be >= 0, or None for each task's default")
+    if c["include_path"] and not os.path.isdir(c["include_path"]):
+        raise ConfigError(f"include_path={c['include_path']}: not a folder (it should hold task YAML files)")
+    harness = import_harness()
+    model, tokenizer, _ = model_and_tokenizer(c["init_from"], c["out_dir"])
+    device = pick_device(c["device"])
+    dtype = pick_dtype(c["dtype"], torch.device(device).type)
+    lm = harness.GPTHarness(model.to(device).eval(), tokenizer, device, c["batch_size"],
+                            autocast(torch.device(device).type, dtype))
+    limit = None if c["limit"] == 0 else int(c["limit"]) if c["limit"] >= 1 else c["limit"]
+    return harness.run_tasks(lm, tasks, limit, c["num_fewshot"], c["include_path"] or None)
+
+
+def write_json(path, result):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    os.replace(tmp, path)  # nothing half-written
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     c, _ = parse_or_exit(keys_of(EvalConfig, EVAL_CHOICES), argv, "python eval.py --out_dir=DIR [--key=value ...]",
                          __doc__.strip().splitlines()[0])
     try:
-        result = evaluate(c)
-    except (ConfigError, DataError, CheckpointError) as e:
+        if c["batch_size"] < 1:
+            raise ConfigError(f"batch_size={c['batch_size']} must be >= 1")
+        result = run_tasks(c) if c["tasks"] else evaluate(c)
+    except (ConfigError, DataError, CheckpointError, PretrainedError) as e:
         fail(e)
-    print(f"{result['source']}: {result['tokens']:,} tokens, {result['bytes']:,} bytes | loss {result['loss']:.4f} nats/token, "
-          f"perplexity {result['perplexity']:.3f}, {result['bits_per_byte']:.4f} bits per byte")
+    if c["tasks"]:
+        print(result["table"])
+    else:
+        print(f"{result['source']}: {result['tokens']:,} tokens, {result['bytes']:,} bytes | loss {result['loss']:.4f} "
+              f"nats/token, perplexity {result['perplexity']:.3f}, {result['bits_per_byte']:.4f} bits per byte")
     if c["json"]:
-        tmp = c["json"] + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(result, f, indent=2)
-        os.replace(tmp, c["json"])  # nothing half-written
+        write_json(c["json"], result)
     return result
 
 

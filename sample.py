@@ -16,12 +16,11 @@ from typing import Optional
 
 import torch
 
-from checkpoint import load_model
+from checkpoint import model_and_tokenizer
 from configurator import ConfigError, fail, keys_of, parse_or_exit
-from dataset import DataError, tokenizer_from_meta
+from dataset import DataError
 from device import DEVICES, pick_device, precision
-from hf import pretrained_tokenizer
-from model import GPT, check_sampling_args
+from model import check_sampling_args
 from quantize import WEIGHTS_DTYPES, for_inference
 
 END_OF_TEXT = "<|endoftext|>"
@@ -46,15 +45,6 @@ class SampleConfig:
 
 SAMPLE_CHOICES = {"device": DEVICES, "weights_dtype": WEIGHTS_DTYPES}
 RENAMED = {"dtype": "weights_dtype"}  # the weight format, named as in bench.py (dtype is the compute dtype)
-
-
-def model_and_tokenizer(init_from, out_dir):
-    """From out_dir's checkpoint, or a pretrained name or directory."""
-    if init_from == "resume":
-        model, state = load_model(out_dir)
-        return model, tokenizer_from_meta(state["tokenizer"])
-    model = GPT.from_pretrained(init_from)
-    return model, pretrained_tokenizer(init_from, model)
 
 
 ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
@@ -182,7 +172,7 @@ def main(argv=None):
         if c["stream"] and c["num_samples"] != 1:
             raise ConfigError("stream=True prints one sample as it arrives: set num_samples=1")
         device = pick_device(c["device"])
-        model, tokenizer = model_and_tokenizer(c["init_from"], c["out_dir"])
+        model, tokenizer, _ = model_and_tokenizer(c["init_from"], c["out_dir"])
         model = for_inference(model.to(device=device), c["weights_dtype"])
         prompt = read_prompt(c["start"])
         c = {**c, "stop": None if c["stop"] is None else unescape(c["stop"])}

@@ -18,7 +18,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from dataset import DataError, TiktokenTokenizer, TokenFile, atomic_write, token_dtype, write_meta, write_tokens  # noqa: E402
+from dataset import (DataError, TiktokenTokenizer, TokenFile, atomic_write, hub_offline, hub_reachable,  # noqa: E402
+                     token_dtype, write_meta, write_tokens)
 
 BATCH = 1000  # documents per tokenization batch
 
@@ -60,8 +61,7 @@ def load_source(args, hub_id, hub_config, hub_val_split):
         train = local(args.data_files)
         val = local(args.val_files) if args.val_files else None
     else:
-        offline = os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1"
-        if offline or not hub_reachable():
+        if hub_offline() or not hub_reachable():
             raise DataError(f"cannot read {hub_id} from the Hugging Face Hub (offline: HF_DATASETS_OFFLINE/"
                             "HF_HUB_OFFLINE, or no network); download its parquet files elsewhere and pass "
                             "them with --data_files") from None
@@ -83,21 +83,6 @@ def load_source(args, hub_id, hub_config, hub_val_split):
                         "them; lower --val_docs, add files, or give --val_files (a .txt file is split into documents "
                         "at blank lines)")
     return {"val": (train, 0, args.val_docs), "train": (train, args.val_docs, None)}
-
-
-def hub_reachable(timeout=5):
-    """A TCP connection to the Hub's endpoint: seconds, where datasets' own retries take half a minute."""
-    import socket
-    import urllib.parse
-
-    from huggingface_hub import constants
-
-    url = urllib.parse.urlparse(constants.ENDPOINT)
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
 
 
 def encode_column(batch, encoding, column):

@@ -119,3 +119,13 @@ def test_training_logs_val_bits_per_byte(trained_run):
 
     evals = [r for r in read_metrics(trained_run) if "val_loss" in r]
     assert evals and all(r["val_bpb"] == pytest.approx(r["val_loss"] / math.log(2), rel=1e-9) for r in evals)
+
+
+def test_tasks_without_lm_eval_installed_is_one_line(tmp_path, trained_run):
+    """As if lm_eval were not installed (sys.modules[name] = None makes its import fail), whether or not it is."""
+    code = ("import sys, runpy; sys.modules['lm_eval'] = None; sys.argv = ['eval.py'] + sys.argv[1:]; "
+            "runpy.run_path('eval.py', run_name='__main__')")
+    result = run_script("-c", code, f"--out_dir={trained_run}", "--tasks=hellaswag", "--device=cpu",
+                        f"--json={tmp_path / 'r.json'}")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "pip install -r requirements-eval.txt" in result.stderr and not (tmp_path / "r.json").exists()

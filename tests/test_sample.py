@@ -1,6 +1,7 @@
 import pytest
 
 import sample
+from checkpoint import model_and_tokenizer
 from conftest import run_script
 
 
@@ -13,7 +14,7 @@ def sample_config(**overrides):
 
 @pytest.fixture(scope="module")
 def loaded(trained_run):
-    model, tokenizer = sample.model_and_tokenizer("resume", trained_run)
+    model, tokenizer, _ = model_and_tokenizer("resume", trained_run)
     return model.eval(), tokenizer
 
 
