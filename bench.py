@@ -15,6 +15,7 @@ both alike; ratios are medians of the per-round ratios.
 
 import copy
 import json
+import os
 import resource
 import statistics
 import sys
@@ -24,9 +25,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from checkpoint import CheckpointError, load_model, model_config
+from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, load_draft, load_model, model_config
+from dataset import DataError, tokenizer_from_meta
+from hf import PretrainedError
 from configurator import ConfigError, fail, keys_of, parse_or_exit
-from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, KVCache, lm_loss
+from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, KVCache, ModelDraft, lm_loss
 from optim import OPTIMIZERS, build_optimizers
 from quantize import WEIGHTS_DTYPES, Int8Linear, for_inference
 from device import COMPUTE_DTYPES, DEVICES, autocast, cpu_facts, cuda_peak_flops, estimate_mfu, pick_device, pick_dtype, precision
@@ -50,6 +53,9 @@ class BenchConfig:
     contexts: str = "10,100,1000"  # sampling: decode ms per token at these context lengths
     compare: str = ""  # hf: also the same model in transformers; float32 (train): ours without autocast; adamw (train): ours with AdamW
     hf_dtype: str = "float32"  # transformers' dtype for --compare=hf (its weights and compute)
+    draft: str = ""  # sampling: speculative decoding with ngram (prompt lookup) or a draft model's out_dir; "" = off
+    num_draft: int = 4  # sampling: tokens the draft proposes per step
+    prompt_file: str = ""  # sampling: the prompt's first prompt_len tokens come from this text (needs out_dir); "" = random tokens
     json: str = ""  # also write the results to this JSON file
     seed: int = 0
 
@@ -284,8 +290,9 @@ def bench_sample(model, c, device):
     if P + N > config.block_size:
         raise ConfigError(f"prompt_len + new_tokens = {P + N} exceeds block_size={config.block_size}; "
                           "beyond it every step recomputes the window (see model.generate)")
-    g = torch.Generator().manual_seed(c["seed"])
-    prompt = torch.randint(config.vocab_size, (1, P), generator=g).to(device)
+    prompt = make_prompt(c, config, device)
+    if c["draft"]:
+        return bench_speculative(model, twin, prompt, c, device)
     runs = {
         "prefill": lambda: model.prefill(prompt, KVCache(config.n_layer, config.block_size)),
         "ours": lambda: model.generate(prompt, N, temperature=0),
@@ -315,6 +322,74 @@ def bench_sample(model, c, device):
         result.update(hf_generate_tokens_per_sec=N / statistics.median(times["hf"]), hf_dtype=c["hf_dtype"],
                       speedup_vs_hf=median_ratio(times, "hf", "ours"))
     return result
+
+
+def make_prompt(c, config, device):
+    """prompt_len random tokens, or the first prompt_len tokens of --prompt_file in the model's tokenizer."""
+    if not c["prompt_file"]:
+        g = torch.Generator().manual_seed(c["seed"])
+        return torch.randint(config.vocab_size, (1, c["prompt_len"]), generator=g).to(device)
+    if not c["out_dir"]:
+        raise ConfigError("prompt_file needs a trained model's tokenizer: give --out_dir")
+    try:
+        with open(c["prompt_file"], encoding="utf-8") as f:
+            ids = tokenizer_for(c["out_dir"]).encode(f.read())
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"prompt_file={c['prompt_file']}: cannot read it as UTF-8 text ({e})") from None
+    if len(ids) < c["prompt_len"]:
+        raise ConfigError(f"prompt_file={c['prompt_file']} has {len(ids)} tokens, fewer than prompt_len={c['prompt_len']}")
+    return torch.tensor([ids[: c["prompt_len"]]], device=device)
+
+
+def bench_speculative(model, twin, prompt, c, device):
+    """Greedy speculative decoding against our plain decode, and with --compare=hf against transformers'
+    plain and assisted generation (the same draft weights as assistant_model, or prompt_lookup_num_tokens
+    for ngram), interleaved. Every contender must produce the same tokens as our plain decode."""
+    N, k = c["new_tokens"], c["num_draft"]
+    if k < 1:
+        raise ConfigError(f"num_draft={k} must be >= 1")
+    tokenizer = tokenizer_for(c["out_dir"]) if c["out_dir"] else None
+    draft = load_draft(c["draft"], tokenizer)
+    draft_twin = None
+    if isinstance(draft, ModelDraft):
+        draft.check(model.config)
+        draft_twin = hf_twin(draft.model.to(device), c["hf_dtype"]).eval() if twin is not None else None
+        draft.model = for_inference(draft.model.to(device), c["weights_dtype"])
+    runs = {
+        "ours": lambda: model.generate(prompt, N, temperature=0),
+        "ours_speculative": lambda: model.generate(prompt, N, temperature=0, draft=draft, num_draft=k),
+    }
+    if twin is not None:
+        hf = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
+        runs["hf"] = lambda: twin.generate(prompt, **hf)
+        if draft_twin is None:
+            runs["hf_assisted"] = lambda: twin.generate(prompt, prompt_lookup_num_tokens=k,
+                                                        max_matching_ngram_size=draft.max_ngram, **hf)
+        else:
+            runs["hf_assisted"] = lambda: twin.generate(prompt, assistant_model=draft_twin, **hf)
+    with torch.no_grad():
+        outputs = {name: run()[0, prompt.size(1) :].tolist() for name, run in runs.items()}
+        draft.checks = draft.proposed = draft.accepted = 0  # count one speculative run
+        runs["ours_speculative"]()
+        stats = {"acceptance_rate": draft.accepted / max(1, draft.proposed), "drafted_per_check": draft.proposed / max(1, draft.checks),
+                 "target_forwards_per_token": (N - draft.accepted) / N}  # fmt: skip
+        for run in runs.values():
+            for _ in range(c["warmup"] - 1):
+                run()
+        times = interleave({name: (lambda run=run: seconds(run, device)) for name, run in runs.items()}, c["rounds"])
+    result = {"shape": f"{model.config.n_layer}x{model.config.n_embd}, vocab {model.config.vocab_size}",
+              "draft": c["draft"], "num_draft": k, "prompt_len": prompt.size(1), "new_tokens": N, **stats,
+              "same_tokens_as_our_plain_decode": {name: out == outputs["ours"] for name, out in outputs.items() if name != "ours"},
+              **{f"{name}_tokens_per_sec": N / statistics.median(t) for name, t in times.items()},
+              "speculative_vs_plain": median_ratio(times, "ours", "ours_speculative")}  # fmt: skip
+    if twin is not None:
+        result.update(speculative_vs_hf=median_ratio(times, "hf", "ours_speculative"),
+                      speculative_vs_hf_assisted=median_ratio(times, "hf_assisted", "ours_speculative"))
+    return result
+
+
+def tokenizer_for(out_dir):
+    return tokenizer_from_meta(load_checkpoint(os.path.join(out_dir, CHECKPOINT), mmap=True)["tokenizer"])
 
 
 def decode_by_context(model, c, device):
@@ -378,7 +453,7 @@ def main(argv=None):
             results["train"] = bench_train(build_model(values, device), values, device, dtype)
         if what in ("sample", "all"):
             results["sample"] = bench_sample(build_model(values, device), values, device)
-    except (ConfigError, CheckpointError) as e:
+    except (ConfigError, CheckpointError, DataError, PretrainedError) as e:
         fail(e)
     report(results)
     if values["json"]:

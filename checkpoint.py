@@ -19,9 +19,9 @@ import zipfile
 import torch
 
 from configurator import ConfigError
-from dataset import atomic_write, tokenizer_from_meta
+from dataset import atomic_write, describe_tokenizer, same_tokenizer, tokenizer_from_meta
 from hf import pretrained_tokenizer
-from model import MODEL_KEYS, GPT, GPTConfig
+from model import MODEL_KEYS, GPT, GPTConfig, ModelDraft, NgramDraft
 
 FORMAT = 1
 CHECKPOINT = "ckpt.pt"  # in out_dir
@@ -97,6 +97,20 @@ def model_and_tokenizer(init_from, out_dir):
         return model, tokenizer_from_meta(state["tokenizer"]), state
     model = GPT.from_pretrained(init_from)
     return model, pretrained_tokenizer(init_from, model), None
+
+
+def load_draft(spec, tokenizer):
+    """sample.py's and bench.py's --draft: ngram (prompt lookup), a training run's out_dir or a pretrained
+    name or directory, whose tokenizer must be the target's (tokenizer; None: only the vocabulary size is
+    checked, by ModelDraft.check)."""
+    if spec == "ngram":
+        return NgramDraft()
+    init_from = "resume" if os.path.exists(os.path.join(spec, CHECKPOINT)) else spec
+    model, draft_tokenizer, _ = model_and_tokenizer(init_from, spec)
+    if tokenizer is not None and not same_tokenizer(tokenizer, draft_tokenizer):
+        raise ConfigError(f"draft={spec}: its tokenizer ({describe_tokenizer(draft_tokenizer)}) is not the target's "
+                          f"({describe_tokenizer(tokenizer)}); a draft must share the target's tokenizer")
+    return ModelDraft(model.eval())
 
 
 def model_config(values):

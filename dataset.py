@@ -248,6 +248,25 @@ class HFTokenizer:
         return self.tok.decode(list(ids))
 
 
+def describe_tokenizer(tokenizer):
+    meta = tokenizer.meta() if hasattr(tokenizer, "meta") else {}
+    if meta.get("kind") == "char":
+        return f"{tokenizer.vocab_size} characters"
+    return meta.get("encoding") or f"a tokenizer.json of {tokenizer.vocab_size} tokens"
+
+
+def same_tokenizer(a, b):
+    """Whether two tokenizers map text to the same ids: equal descriptions where both have one (ours),
+    else the same vocabulary size and the same ids for a probe text."""
+    if hasattr(a, "meta") and hasattr(b, "meta"):
+        return a.meta() == b.meta()
+    probe = "The quick brown fox, 1234!\n  It said: 'naïve café, déjà vu?'\tEnd."
+    try:
+        return a.vocab_size == b.vocab_size and a.encode(probe) == b.encode(probe)
+    except DataError:  # a character vocabulary without some of the probe's characters
+        return False
+
+
 def tokenizer_from_meta(meta):
     if meta.get("kind") == "char":
         return CharTokenizer(meta["chars"])

@@ -444,10 +444,15 @@ def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None)
     one with that generator would)."""
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    probs = F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
+    probs = token_probs(logits, temperature, top_k, top_p)
     if isinstance(generator, (list, tuple)):
         return torch.cat([torch.multinomial(p[None], 1, generator=g) for p, g in zip(probs, generator)])
     return torch.multinomial(probs, 1, generator=generator)
+
+
+def token_probs(logits, temperature, top_k=None, top_p=None):
+    """The distribution sample_next draws from when temperature > 0."""
+    return F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
 
 
 def check_sampling_args(max_new_tokens, temperature, top_k, top_p):
@@ -459,6 +464,103 @@ def check_sampling_args(max_new_tokens, temperature, top_k, top_p):
         raise ValueError(f"top_k={top_k} must be >= 1, or None for no top-k filter")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p={top_p} must be in (0, 1], or None for no nucleus filter")
+
+
+# Speculative decoding: a draft proposes k tokens, one forward of the target scores them all, and
+# Leviathan et al. (2023) / Chen et al. (2023)'s rule keeps a prefix, so the output is distributed exactly
+# as the target's own samples (and equals its greedy output at temperature 0).
+
+
+def accept_drafts(logits, drafts, q, temperature, top_k=None, top_p=None, generator=None):
+    """logits (k+1, vocab): the target's at each draft position and one after; drafts (k,); q (k, vocab):
+    the draft's distributions, or None for a draft that proposes with certainty (prompt lookup). Returns
+    the new tokens (a list): the accepted drafts, then one token of the target's: at the first rejection,
+    drawn from norm(max(0, p - q)); after k acceptances, a bonus drawn from p."""
+    drafts = drafts.tolist()
+    if temperature == 0:  # greedy: keep drafts while they are the target's argmax
+        best = logits.argmax(dim=-1).tolist()
+        n = next((i for i, d in enumerate(drafts) if d != best[i]), len(drafts))
+        return drafts[:n] + [best[n]]
+    p = token_probs(logits, temperature, top_k, top_p)
+    for i, d in enumerate(drafts):
+        q_d = 1.0 if q is None else float(q[i, d])
+        if float(torch.rand(1, generator=generator, device=p.device)) * q_d < float(p[i, d]):
+            continue  # accepted with probability min(1, p(d) / q(d))
+        residual = p[i].clone()
+        if q is None:
+            residual[d] = 0
+        else:
+            residual = (residual - q[i]).clamp_min(0)
+        if float(residual.sum()) <= 0:  # p <= q everywhere only when p == q, where d is always accepted
+            residual = p[i]
+        return drafts[:i] + [int(torch.multinomial(residual, 1, generator=generator))]
+    return drafts + [int(torch.multinomial(p[-1], 1, generator=generator))]
+
+
+class Draft:
+    """What stream() asks of a draft: check(config), then propose(seq, k, ...) -> (tokens (1, <= k), their
+    distributions or None). stream() counts target forwards that checked a proposal, proposed and accepted
+    tokens here (bench.py reports them)."""
+
+    checks = proposed = accepted = 0
+
+    def check(self, config):
+        pass
+
+
+class NgramDraft(Draft):
+    """Prompt lookup: proposes the tokens that followed the latest earlier occurrence of the sequence's
+    last n tokens (n = max_ngram, then shorter); no second model. Its proposals are certain (q is None)."""
+
+    def __init__(self, max_ngram=3):
+        self.max_ngram = max_ngram
+
+    def propose(self, seq, k, temperature, top_k, top_p, generator):
+        s = seq[0]
+        for n in range(min(self.max_ngram, len(s) - 1), 0, -1):
+            earlier = s[:-1].unfold(0, n, 1)  # every n-gram that ends before the last token
+            hits = (earlier == s[-n:]).all(dim=1).nonzero()
+            if len(hits):
+                begin = int(hits[-1]) + n
+                return s[begin : begin + k][None], None
+        return s[:0][None], None
+
+
+class ModelDraft(Draft):
+    """A smaller GPT over the same vocabulary: samples k tokens (greedy at temperature 0) with its own KV
+    cache, which keeps whatever prefix still matches the target's sequence between calls."""
+
+    def __init__(self, model):
+        self.model, self.cache, self.fed = model, None, None
+
+    def check(self, config):
+        if self.model.config.vocab_size != config.vocab_size:
+            raise ValueError(f"the draft's vocabulary has {self.model.config.vocab_size} tokens and the target's "
+                             f"{config.vocab_size}; a draft must share the target's tokenizer")
+
+    @torch.no_grad()
+    def propose(self, seq, k, temperature, top_k, top_p, generator):
+        model, L = self.model, seq.size(1)
+        block_size = model.config.block_size
+        if self.cache is None:
+            self.cache = KVCache(model.config.n_layer, block_size)
+            self.fed = seq[:, :0]
+        m = min(self.fed.size(1), L - 1)  # keep the cached tokens still in the sequence; feed at least one
+        self.cache.length = int((self.fed[0, :m] == seq[0, :m]).cumprod(0).sum())
+        seq = torch.cat([seq, seq.new_empty(1, k)], dim=1)
+        qs = []
+        for length in range(L, L + k):
+            if length > block_size:  # past the draft's context: recompute its window, as generate does
+                logits = model.prefill(seq[:, length - block_size : length])
+            else:
+                logits = model.prefill(seq[:, self.cache.length : length], self.cache)
+            if temperature == 0:
+                seq[0, length] = logits[0].argmax()
+            else:
+                qs.append(token_probs(logits[0], temperature, top_k, top_p))
+                seq[0, length] = torch.multinomial(qs[-1], 1, generator=generator)[0]
+        self.fed = seq[:, : self.cache.length]
+        return seq[:, L:], torch.stack(qs) if qs else None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -556,6 +658,8 @@ class GPT(nn.Module):
         eos_token_id=None,
         use_cache=True,
         generator=None,
+        draft=None,
+        num_draft=4,
     ):
         """Continues each row of idx (B, T; rows of equal length) by up to max_new_tokens tokens and
         returns (B, T + new). Call model.eval() first, or dropout stays on.
@@ -570,36 +674,75 @@ class GPT(nn.Module):
         early when every row has stopped, so `new` can be less than max_new_tokens.
 
         generator: None, a torch.Generator, or a list of one per row (row i then draws exactly the tokens
-        a batch of one with that generator would)."""
-        columns = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, use_cache, generator))
+        a batch of one with that generator would).
+
+        draft: a NgramDraft or ModelDraft for speculative decoding, which proposes up to num_draft tokens
+        that one forward of this model checks (see stream). Rows then run one at a time, each through
+        its own cache, since rows accept different numbers of tokens."""
+        if draft is not None and idx.size(0) > 1:
+            rows = [self.generate(idx[i : i + 1], max_new_tokens, temperature, top_k, top_p, eos_token_id, use_cache,
+                                  generator[i : i + 1] if isinstance(generator, (list, tuple)) else generator,
+                                  draft, num_draft) for i in range(idx.size(0))]  # fmt: skip
+            width = max(row.size(1) for row in rows)  # rows that stopped early end in eos: pad with it
+            return torch.cat([F.pad(row, (0, width - row.size(1)), value=eos_token_id or 0) for row in rows])
+        columns = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, use_cache, generator,
+                                   draft, num_draft))  # fmt: skip
         return torch.cat([idx, *columns], dim=1)
 
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, eos_token_id=None,
-               use_cache=True, generator=None):
-        """generate() one step at a time: yields each new (B, 1) column of tokens as soon as it exists."""
+               use_cache=True, generator=None, draft=None, num_draft=4):
+        """generate() one step at a time: yields each new (B, 1) column of tokens as soon as it exists.
+
+        With a draft (one row only): each step the draft proposes k = num_draft tokens (fewer near
+        max_new_tokens or block_size; the n-gram draft may find fewer or none), one forward of this model
+        over the cache scores all of them, accept_drafts keeps a prefix and adds one token of this model's,
+        and the cache rolls back to the kept length. A step with no proposal is an ordinary step."""
         check_sampling_args(max_new_tokens, temperature, top_k, top_p)
         B, T = idx.shape
+        if draft is not None:
+            if num_draft < 1:
+                raise ValueError(f"num_draft={num_draft} must be >= 1")
+            if B != 1 or not use_cache:
+                raise ValueError("speculative decoding streams one row with the KV cache; generate() runs a batch row by row")
+            draft.check(self.config)
         block_size = self.config.block_size
         seq = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
         seq[:, :T] = idx
         cache = KVCache(self.config.n_layer, block_size) if use_cache else None
         finished = torch.zeros(B, 1, dtype=torch.bool, device=idx.device)
-        for length in range(T, T + max_new_tokens):
-            if cache is None or length > block_size:  # recompute the window (see generate)
-                logits = self.prefill(seq[:, max(0, length - block_size) : length])
-            elif cache.length == 0:
-                logits = self.prefill(seq[:, :length], cache)
+        length, end = T, T + max_new_tokens
+        while length < end:
+            k = 0 if draft is None else min(num_draft, end - length - 1, block_size - length)
+            drafts = None
+            if k > 0:
+                one = generator[0] if isinstance(generator, (list, tuple)) else generator
+                drafts, q = draft.propose(seq[:, :length], k, temperature, top_k, top_p, one)
+            if drafts is not None and drafts.size(1) > 0:
+                k = drafts.size(1)
+                seq[:, length : length + k] = drafts
+                logits = self.lm_head(self.hidden_states(seq[:, cache.length : length + k], cache)[0, -(k + 1) :])
+                new = accept_drafts(logits, drafts[0], q, temperature, top_k, top_p, one)
+                cache.length = length + len(new) - 1  # the rejected drafts' keys and values are dropped
+                draft.checks, draft.proposed, draft.accepted = draft.checks + 1, draft.proposed + k, draft.accepted + len(new) - 1
+                tokens = torch.tensor([new], dtype=idx.dtype, device=idx.device)
             else:
-                logits = self.decode_step(seq[:, length - 1 : length], cache)
-            token = sample_next(logits, temperature, top_k, top_p, generator)
-            if eos_token_id is not None:
-                token = token.masked_fill(finished, eos_token_id)
-                finished |= token == eos_token_id
-            seq[:, length] = token[:, 0]
-            yield token
-            if eos_token_id is not None and bool(finished.all()):
-                return
+                if cache is None or length > block_size:  # recompute the window (see generate)
+                    logits = self.prefill(seq[:, max(0, length - block_size) : length])
+                elif cache.length == 0:
+                    logits = self.prefill(seq[:, :length], cache)
+                else:
+                    logits = self.decode_step(seq[:, length - 1 : length], cache)
+                tokens = sample_next(logits, temperature, top_k, top_p, generator)
+            for token in tokens.split(1, dim=1):
+                if eos_token_id is not None:
+                    token = token.masked_fill(finished, eos_token_id)
+                    finished |= token == eos_token_id
+                seq[:, length] = token[:, 0]
+                length += 1
+                yield token
+                if eos_token_id is not None and bool(finished.all()):
+                    return
 
     def flops_per_token(self, seq_len):
         """Training (forward + backward) FLOPs per token, as in the PaLM paper's appendix: 6 per matmul

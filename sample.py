@@ -16,11 +16,11 @@ from typing import Optional
 
 import torch
 
-from checkpoint import model_and_tokenizer
+from checkpoint import load_draft, model_and_tokenizer
 from configurator import ConfigError, fail, keys_of, parse_or_exit
 from dataset import DataError
 from device import DEVICES, pick_device, precision
-from model import check_sampling_args
+from model import ModelDraft, check_sampling_args
 from quantize import WEIGHTS_DTYPES, for_inference
 
 END_OF_TEXT = "<|endoftext|>"
@@ -41,6 +41,8 @@ class SampleConfig:
     weights_dtype: str = "float32"  # weights for inference: float32 | bfloat16 | float16 | int8 (CPU; quantised, see docs/guide.md)
     stream: bool = False  # print text as tokens arrive (needs num_samples=1)
     stop: Optional[str] = None  # end each sample before this string (\n, \t, \\ as in start); <|endoftext|> = the end-of-text token
+    draft: str = ""  # speculative decoding: ngram (prompt lookup) | a smaller model's out_dir or Hugging Face name/directory; "" = off
+    num_draft: int = 4  # tokens the draft proposes per step (speculative decoding)
 
 
 SAMPLE_CHOICES = {"device": DEVICES, "weights_dtype": WEIGHTS_DTYPES}
@@ -119,7 +121,7 @@ def log_precision(c, device):
     print(f"precision: {c['weights_dtype']} weights | {precision(torch.device(device).type).why}", file=sys.stderr)
 
 
-def generate_texts(model, tokenizer, prompt, c, device):
+def generate_texts(model, tokenizer, prompt, c, device, draft=None):
     """The generated continuations (prompt excluded), one per sample."""
     ids = encode_prompt(tokenizer, prompt, model.config.block_size)
     idx = torch.tensor([ids] * c["num_samples"], dtype=torch.long, device=device)
@@ -127,11 +129,11 @@ def generate_texts(model, tokenizer, prompt, c, device):
     eos = stop_token(tokenizer, c["stop"])
     log_precision(c, device)
     out = model.generate(idx, c["max_new_tokens"], c["temperature"], c["top_k"], c["top_p"], eos_token_id=eos,
-                         generator=generators)
+                         generator=generators, draft=draft, num_draft=c["num_draft"])
     return [decode(tokenizer, ids, row[len(ids) :].tolist(), c["stop"]) for row in out]
 
 
-def stream_text(model, tokenizer, prompt, c, device, write):
+def stream_text(model, tokenizer, prompt, c, device, write, draft=None):
     """One sample, written as it arrives after the prompt; returns the sample (prompt excluded). Text that
     could be the start of the stop string is held back until it is clear it is not; a token that ends
     inside a multi-byte character waits for the rest."""
@@ -145,7 +147,7 @@ def stream_text(model, tokenizer, prompt, c, device, write):
     log_precision(c, device)
     write(prompt)  # as batch mode prints it: the prompt, then the sample
     for column in model.stream(idx, c["max_new_tokens"], c["temperature"], c["top_k"], c["top_p"],
-                               eos_token_id=eos, generator=generator):
+                               eos_token_id=eos, generator=generator, draft=draft, num_draft=c["num_draft"]):
         new.append(int(column[0, 0]))
         text = decode(tokenizer, ids, new, stop)
         ended = len(text) < len(continuation(tokenizer, ids, new))  # the stop string (or token) has appeared
@@ -172,19 +174,31 @@ def main(argv=None):
         if c["stream"] and c["num_samples"] != 1:
             raise ConfigError("stream=True prints one sample as it arrives: set num_samples=1")
         device = pick_device(c["device"])
+        if c["draft"] and c["num_draft"] < 1:
+            raise ConfigError(f"num_draft={c['num_draft']} must be >= 1 (tokens the draft proposes per step)")
         model, tokenizer, _ = model_and_tokenizer(c["init_from"], c["out_dir"])
         model = for_inference(model.to(device=device), c["weights_dtype"])
+        draft = load_draft(c["draft"], tokenizer) if c["draft"] else None
+        if isinstance(draft, ModelDraft):
+            draft.model = for_inference(draft.model.to(device=device), c["weights_dtype"])
+            draft.check(model.config)
         prompt = read_prompt(c["start"])
         c = {**c, "stop": None if c["stop"] is None else unescape(c["stop"])}
         if c["stream"]:
-            stream_text(model, tokenizer, prompt, c, device, lambda s: print(s, end="", flush=True))
+            stream_text(model, tokenizer, prompt, c, device, lambda s: print(s, end="", flush=True), draft)
             print()
-            return
-        for text in generate_texts(model, tokenizer, prompt, c, device):
-            print(prompt + text)
-            print("---------------")
+        else:
+            for text in generate_texts(model, tokenizer, prompt, c, device, draft):
+                print(prompt + text)
+                print("---------------")
     except ValueError as e:  # ConfigError, DataError, CheckpointError and the model's argument checks
         fail(e)
+    except KeyboardInterrupt:  # samples print whole or not at all (a streamed one stops where it was)
+        print("\nerror: interrupted" if c["stream"] else "error: interrupted; nothing printed", file=sys.stderr)
+        sys.exit(130)
+    if draft is not None and draft.checks:
+        print(f"speculative decoding: {draft.accepted} of {draft.proposed} drafted tokens accepted "
+              f"({draft.accepted / max(1, draft.proposed):.0%}), {draft.checks} checking forwards", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -108,13 +108,14 @@ def test_every_request_scores_as_lm_evals_hf_backend_does(tmp_path, bpe_dataset,
     # multiple choice: each choice's loglikelihood and is_greedy, then the same accuracy
     mine, hf = by_doc(ours["samples"]["tiny_mc"]), by_doc(theirs["samples"]["tiny_mc"])
     assert len(mine) == len(hf) == 24
-    long_contexts = 0
+    long_contexts, worst = 0, 0.0
     for doc_id, sample in mine.items():
         context = sample["arguments"][0][0]  # the same requests on both sides
         assert [a for a in sample["arguments"]] == [a for a in hf[doc_id]["arguments"]]
         long_contexts += len(tokenizer.encode(context + sample["arguments"][0][1])) > BLOCK
         for (ll, greedy), (hf_ll, hf_greedy) in zip((r[0] for r in sample["resps"]), (r[0] for r in hf[doc_id]["resps"])):
             assert ll == pytest.approx(hf_ll, abs=1e-4) and greedy == hf_greedy
+            worst = max(worst, abs(ll - hf_ll))
     assert long_contexts >= 5  # the left truncation rule was exercised
     for metric in ("acc,none", "acc_norm,none"):
         assert ours["results"]["tiny_mc"][metric] == theirs["results"]["tiny_mc"][metric]
@@ -124,6 +125,8 @@ def test_every_request_scores_as_lm_evals_hf_backend_does(tmp_path, bpe_dataset,
     assert max(len(tokenizer.encode(s["arguments"][0][0])) for s in mine.values()) > 2 * BLOCK
     for doc_id, sample in mine.items():
         assert sample["resps"][0][0] == pytest.approx(hf[doc_id]["resps"][0][0], abs=1e-4)
+        worst = max(worst, abs(sample["resps"][0][0] - hf[doc_id]["resps"][0][0]))
+    print(f"{arch}: largest loglikelihood difference {worst:.2e}, accuracy {ours['results']['tiny_mc']['acc,none']}")
 
     # greedy generation: the same text, stop strings applied the same way
     mine, hf = by_doc(ours["samples"]["tiny_gen"]), by_doc(theirs["samples"]["tiny_gen"])

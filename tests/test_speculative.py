@@ -1,0 +1,249 @@
+"""Speculative decoding: greedy output token-identical to plain greedy generate, and sampled output
+distributed exactly as the target's (chi-square against the exact distribution; a broken rule fails)."""
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import model as model_module
+from conftest import ROOT, TINY_RUN, run_script
+from model import GPT, GPTConfig, ModelDraft, NgramDraft
+
+
+def tiny(seed, vocab=13, block_size=24, scale=1.0, **overrides):
+    """A random GPT; scale multiplies its matrices (GPT-2's small init makes a random model repeat one token)."""
+    torch.manual_seed(seed)
+    config = dict(vocab_size=vocab, block_size=block_size, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    model = GPT(GPTConfig(**{**config, **overrides})).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(scale if p.dim() > 1 else 1.0)
+    return model
+
+
+def first_layer_of(target, block_size=16):
+    """A draft that agrees with its target often, not always: the target's first block, embeddings and head."""
+    draft = GPT(GPTConfig(**{**vars(target.config), "n_layer": 1, "block_size": block_size})).eval()
+    state = {k: v for k, v in target.state_dict().items() if not k.startswith("blocks.1.")}
+    if "positions.wpe.weight" in state:
+        state["positions.wpe.weight"] = state["positions.wpe.weight"][:block_size]
+    draft.load_state_dict(state, strict=False)
+    return draft
+
+
+def plain(target, prompt, n):
+    return target.generate(prompt, n, temperature=0).tolist()
+
+
+@pytest.mark.parametrize("pos_emb", ["learned", "rope", "sinusoidal", "alibi", "none"])
+def test_greedy_speculation_is_token_identical_to_greedy_generate(pos_emb):
+    """Random weights, GQA, every position scheme; past block_size (24 positions, 10 + 40 tokens); k = 1..8,
+    with a model draft and with prompt lookup; the drafts are both accepted and rejected."""
+    target = tiny(0, pos_emb=pos_emb, scale=10.0)
+    drafts = {"model": lambda: ModelDraft(first_layer_of(target)), "ngram": NgramDraft}
+    prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    expected = plain(target, prompt, 40)
+    accepted = proposed = 0
+    for (name, make), k in itertools.product(drafts.items(), (1, 2, 4, 8)):
+        draft = make()
+        assert target.generate(prompt, 40, temperature=0, draft=draft, num_draft=k).tolist() == expected, (name, k)
+        accepted, proposed = accepted + draft.accepted, proposed + draft.proposed
+    assert 0 < accepted < proposed, (accepted, proposed)  # drafts kept, and drafts rolled back
+
+
+@pytest.fixture(scope="module")
+def draft_run(tmp_path_factory, char_dataset):
+    """A one-layer model trained on the conftest's trained_run's text: a draft for it."""
+    import train
+
+    out = tmp_path_factory.mktemp("draft")
+    train.main([*TINY_RUN, "--n_layer=1", f"--dataset={char_dataset}", f"--out_dir={out}", "--max_iters=30",
+                "--eval_interval=30"])
+    return str(out)
+
+
+def test_greedy_speculation_with_a_trained_pair(trained_run, draft_run):
+    """The conftest's trained char model as target, draft_run as its draft."""
+    from checkpoint import load_model
+
+    target, draft = load_model(trained_run)[0].eval(), ModelDraft(load_model(draft_run)[0].eval())
+    prompt = torch.tensor([[5, 6, 7, 1]])
+    expected = plain(target, prompt, 60)
+    for k in (1, 2, 4, 8):
+        assert target.generate(prompt, 60, temperature=0, draft=draft, num_draft=k).tolist() == expected
+        assert target.generate(prompt, 60, temperature=0, draft=NgramDraft(), num_draft=k).tolist() == expected
+    assert draft.accepted > 0
+
+
+def test_a_batch_runs_row_by_row_and_stops_at_eos():
+    target = tiny(0)
+    prompts = torch.tensor([[3, 1, 4], [2, 7, 1], [9, 9, 9]])
+    eos = plain(target, prompts[:1], 6)[0][-1]  # row 0 emits it: that row ends early, the others are padded
+    expected = target.generate(prompts, 20, temperature=0, eos_token_id=eos)
+    assert torch.equal(target.generate(prompts, 20, temperature=0, eos_token_id=eos, draft=NgramDraft()), expected)
+
+
+def test_bad_drafts_are_refused():
+    target = tiny(0)
+    prompt = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="the draft's vocabulary has 17 tokens and the target's 13"):
+        target.generate(prompt, 5, draft=ModelDraft(tiny(1, vocab=17)))
+    with pytest.raises(ValueError, match="num_draft=0 must be >= 1"):
+        target.generate(prompt, 5, draft=NgramDraft(), num_draft=0)
+    with pytest.raises(ValueError, match="speculative decoding streams one row"):
+        next(target.stream(torch.tensor([[1], [2]]), 5, draft=NgramDraft()))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sampling: the distribution of the first and the fifth new token over many seeded runs
+
+
+VOCAB, PROMPT, RUNS = 4, [0, 1], 20_000
+
+
+def small(seed):
+    return tiny(seed, vocab=VOCAB, block_size=16, n_layer=1, n_head=2, n_kv_head=1, n_embd=16, scale=8.0)
+
+
+def exact_distributions(target, positions=(1, 5), temperature=1.0):
+    """The target's exact distribution of its n-th new token, summed over every prefix of earlier tokens."""
+    out = {}
+    for n in positions:
+        prefixes = torch.tensor([PROMPT + list(p) for p in itertools.product(range(VOCAB), repeat=n - 1)])
+        logits = target(prefixes)[0] / temperature
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        steps = logp[:, len(PROMPT) - 1 : -1].gather(2, prefixes[:, len(PROMPT) :, None])[..., 0].sum(1)  # log P(prefix)
+        out[n] = (steps[:, None].exp() * logp[:, -1].exp()).sum(0)
+    return out
+
+
+def chi_square_p(counts, probs):
+    expected = probs * counts.sum()
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    df = len(counts) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def accept_every_draft(logits, drafts, q, temperature, top_k=None, top_p=None, generator=None):
+    p = model_module.token_probs(logits, temperature, top_k, top_p)
+    return drafts.tolist() + [int(torch.multinomial(p[-1], 1, generator=generator))]
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny forwards: threads only add overhead
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule", ["leviathan", "broken"])
+def test_sampled_tokens_follow_the_targets_exact_distribution(monkeypatch, one_thread, rule):
+    target, draft = small(0), ModelDraft(small(1))
+    with torch.no_grad():
+        exact = exact_distributions(target)
+        drafted = torch.softmax(draft.model(torch.tensor([PROMPT]))[0][0, -1].double(), -1)
+    assert (exact[1] - drafted).abs().sum() > 0.3  # the draft's first-token distribution is far from the target's
+    if rule == "broken":
+        monkeypatch.setattr(model_module, "accept_drafts", accept_every_draft)
+    counts = {n: torch.zeros(VOCAB, dtype=torch.float64) for n in exact}
+    prompt = torch.tensor([PROMPT])
+    for seed in range(RUNS):
+        out = target.generate(prompt, 5, temperature=1.0, draft=draft, num_draft=3,
+                              generator=torch.Generator().manual_seed(seed))[0, len(PROMPT) :]
+        for n in counts:
+            counts[n][out[n - 1]] += 1
+    p_values = {n: chi_square_p(counts[n], exact[n]) for n in counts}
+    print(rule, "chi-square p-values (first, fifth token):", p_values, "acceptance", draft.accepted / draft.proposed)
+    if rule == "leviathan":
+        assert min(p_values.values()) > 1e-3, p_values
+    else:
+        assert p_values[1] < 1e-3, p_values  # the test can fail: accepting every draft gives the draft's tokens
+
+
+def test_a_certain_proposal_keeps_the_targets_distribution():
+    """Prompt lookup's proposals have no q: accepted with probability p(d), else a token drawn from p
+    without d. The first returned token is then distributed as p (and a broken rule, never rejecting, is not)."""
+    torch.manual_seed(0)
+    logits = torch.randn(2, 6) * 2
+    p = torch.softmax(logits[0].double(), -1)
+    drafted = int(p.argmin())  # an unlikely proposal: mostly rejected
+    counts = {rule: torch.zeros(6, dtype=torch.float64) for rule in ("leviathan", "broken")}
+    for seed in range(RUNS):
+        generator = torch.Generator().manual_seed(seed)
+        counts["leviathan"][model_module.accept_drafts(logits, torch.tensor([drafted]), None, 1.0, generator=generator)[0]] += 1
+        counts["broken"][accept_every_draft(logits, torch.tensor([drafted]), None, 1.0, generator=generator)[0]] += 1
+    assert chi_square_p(counts["leviathan"], p) > 1e-3 and chi_square_p(counts["broken"], p) < 1e-3
+
+
+# ----------------------------------------------------------------------------------------------------
+# sample.py --draft
+
+
+def greedy(*args):
+    result = run_script("sample.py", *args, "--start=The ", "--num_samples=2", "--temperature=0", "--max_new_tokens=50",
+                        "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_sample_py_speculates_to_the_same_text(trained_run, draft_run):
+    plain_text = greedy(f"--out_dir={trained_run}").stdout
+    for draft in ("ngram", draft_run):
+        result = greedy(f"--out_dir={trained_run}", f"--draft={draft}", "--num_draft=3")
+        assert result.stdout == plain_text and "speculative decoding:" in result.stderr
+    streamed = run_script("sample.py", f"--out_dir={trained_run}", f"--draft={draft_run}", "--start=The ", "--stream=True",
+                          "--num_samples=1", "--temperature=0", "--max_new_tokens=50", "--device=cpu")
+    assert streamed.returncode == 0 and streamed.stdout.strip() == plain_text.split("\n---------------\n")[0].strip()
+
+
+def test_sample_py_refuses_a_draft_with_another_tokenizer(tmp_path, trained_run):
+    import train
+    from conftest import make_text
+    from dataset import char_tokenizer_for, prepare_text
+
+    text = make_text(5000, seed=3).upper()
+    prepare_text(text, char_tokenizer_for(text), str(tmp_path / "upper"))
+    train.main([*TINY_RUN, f"--dataset={tmp_path / 'upper'}", f"--out_dir={tmp_path / 'other'}", "--max_iters=2"])
+    cases = [([f"--draft={tmp_path / 'other'}"], f"draft={tmp_path / 'other'}: its tokenizer ("),
+             (["--draft=ngram", "--num_draft=0"], "num_draft=0 must be >= 1")]
+    for args, message in cases:
+        result = run_script("sample.py", f"--out_dir={trained_run}", *args, "--device=cpu")
+        assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert "characters) is not the target's (" in run_script("sample.py", f"--out_dir={trained_run}", *cases[0][0]).stderr
+
+
+@pytest.mark.slow
+def test_an_interrupted_sample_prints_nothing_half_way(trained_run):
+    proc = subprocess.Popen([sys.executable, "sample.py", f"--out_dir={trained_run}", "--draft=ngram", "--device=cpu",
+                             "--max_new_tokens=1000000", "--num_samples=2"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stderr.readline().startswith("precision:")  # generation has begun
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGINT and out == ""
+    assert err.strip() == "error: interrupted; nothing printed"
+
+
+def test_bench_speculative_tokens_match_ours_and_transformers(trained_run, draft_run, tmp_path):
+    """bench.py sample --draft: every contender (ours plain and speculative, transformers plain and assisted
+    with the same draft weights, or prompt lookup) produces our plain greedy tokens."""
+    pytest.importorskip("transformers")
+    import bench
+    from conftest import make_text
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(make_text(400, seed=5))
+    for draft in (draft_run, "ngram"):
+        results = bench.main(["sample", f"--out_dir={trained_run}", f"--draft={draft}", "--num_draft=3", "--compare=hf",
+                              "--prompt_len=10", "--new_tokens=20", "--rounds=5", "--warmup=1", "--device=cpu",
+                              f"--prompt_file={prompt}"])["sample"]
+        assert results["same_tokens_as_our_plain_decode"] == {"ours_speculative": True, "hf": True, "hf_assisted": True}
+        assert 0 <= results["acceptance_rate"] <= 1 and results["target_forwards_per_token"] <= 1
+        assert results["speculative_vs_hf_assisted"] > 0
