@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, fields
+from typing import Optional
 
 import torch
 
@@ -54,7 +55,7 @@ class BenchConfig:
     compare: str = ""  # hf: also the same model in transformers; float32 (train): ours without autocast; adamw (train): ours with AdamW
     hf_dtype: str = "float32"  # transformers' dtype for --compare=hf (its weights and compute)
     draft: str = ""  # sampling: speculative decoding with ngram (prompt lookup) or a draft model's out_dir; "" = off
-    num_draft: int = 4  # sampling: tokens the draft proposes per step
+    num_draft: Optional[int] = None  # sampling: tokens the draft proposes per step; None = 4 for ngram, 2 for a model
     prompt_file: str = ""  # sampling: the prompt's first prompt_len tokens come from this text (needs out_dir); "" = random tokens
     json: str = ""  # also write the results to this JSON file
     seed: int = 0
@@ -345,11 +346,11 @@ def bench_speculative(model, twin, prompt, c, device):
     """Greedy speculative decoding against our plain decode, and with --compare=hf against transformers'
     plain and assisted generation (the same draft weights as assistant_model, or prompt_lookup_num_tokens
     for ngram), interleaved. Every contender must produce the same tokens as our plain decode."""
-    N, k = c["new_tokens"], c["num_draft"]
-    if k < 1:
-        raise ConfigError(f"num_draft={k} must be >= 1")
     tokenizer = tokenizer_for(c["out_dir"]) if c["out_dir"] else None
     draft = load_draft(c["draft"], tokenizer)
+    N, k = c["new_tokens"], draft.default_num_draft if c["num_draft"] is None else c["num_draft"]
+    if k < 1:
+        raise ConfigError(f"num_draft={k} must be >= 1")
     draft_twin = None
     if isinstance(draft, ModelDraft):
         draft.check(model.config)

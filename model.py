@@ -503,14 +503,18 @@ class Draft:
     tokens here (bench.py reports them)."""
 
     checks = proposed = accepted = 0
+    default_num_draft = 4
 
     def check(self, config):
         pass
 
 
 class NgramDraft(Draft):
-    """Prompt lookup: proposes the tokens that followed the latest earlier occurrence of the sequence's
-    last n tokens (n = max_ngram, then shorter); no second model. Its proposals are certain (q is None)."""
+    """Prompt lookup: proposes the k tokens that followed the latest earlier occurrence of the sequence's
+    last n tokens (n = max_ngram, then shorter) that has k tokens after it, else the latest occurrence's
+    fewer; no second model. Its proposals are certain (q is None)."""
+
+    default_num_draft = 4  # the fastest on the code prompts of docs/benchmarks.md
 
     def __init__(self, max_ngram=3):
         self.max_ngram = max_ngram
@@ -519,9 +523,10 @@ class NgramDraft(Draft):
         s = seq[0]
         for n in range(min(self.max_ngram, len(s) - 1), 0, -1):
             earlier = s[:-1].unfold(0, n, 1)  # every n-gram that ends before the last token
-            hits = (earlier == s[-n:]).all(dim=1).nonzero()
-            if len(hits):
-                begin = int(hits[-1]) + n
+            ends = (earlier == s[-n:]).all(dim=1).nonzero()[:, 0] + n  # where each occurrence's successors begin
+            if len(ends):
+                whole = ends[ends + k <= len(s)]  # in a run (of spaces, say) the latest occurrence has one successor
+                begin = int(whole[-1] if len(whole) else ends[-1])
                 return s[begin : begin + k][None], None
         return s[:0][None], None
 
@@ -529,6 +534,8 @@ class NgramDraft(Draft):
 class ModelDraft(Draft):
     """A smaller GPT over the same vocabulary: samples k tokens (greedy at temperature 0) with its own KV
     cache, which keeps whatever prefix still matches the target's sequence between calls."""
+
+    default_num_draft = 2  # a step checking k tokens costs more than one (docs/benchmarks.md): k = 1-2 paid best
 
     def __init__(self, model):
         self.model, self.cache, self.fed = model, None, None
@@ -659,7 +666,7 @@ class GPT(nn.Module):
         use_cache=True,
         generator=None,
         draft=None,
-        num_draft=4,
+        num_draft=None,
     ):
         """Continues each row of idx (B, T; rows of equal length) by up to max_new_tokens tokens and
         returns (B, T + new). Call model.eval() first, or dropout stays on.
@@ -677,7 +684,7 @@ class GPT(nn.Module):
         a batch of one with that generator would).
 
         draft: a NgramDraft or ModelDraft for speculative decoding, which proposes up to num_draft tokens
-        that one forward of this model checks (see stream). Rows then run one at a time, each through
+        (None: the draft's default_num_draft) that one forward of this model checks (see stream). Rows then run one at a time, each through
         its own cache, since rows accept different numbers of tokens."""
         if draft is not None and idx.size(0) > 1:
             rows = [self.generate(idx[i : i + 1], max_new_tokens, temperature, top_k, top_p, eos_token_id, use_cache,
@@ -691,7 +698,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, eos_token_id=None,
-               use_cache=True, generator=None, draft=None, num_draft=4):
+               use_cache=True, generator=None, draft=None, num_draft=None):
         """generate() one step at a time: yields each new (B, 1) column of tokens as soon as it exists.
 
         With a draft (one row only): each step the draft proposes k = num_draft tokens (fewer near
@@ -701,6 +708,7 @@ class GPT(nn.Module):
         check_sampling_args(max_new_tokens, temperature, top_k, top_p)
         B, T = idx.shape
         if draft is not None:
+            num_draft = draft.default_num_draft if num_draft is None else num_draft
             if num_draft < 1:
                 raise ValueError(f"num_draft={num_draft} must be >= 1")
             if B != 1 or not use_cache:

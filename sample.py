@@ -42,7 +42,7 @@ class SampleConfig:
     stream: bool = False  # print text as tokens arrive (needs num_samples=1)
     stop: Optional[str] = None  # end each sample before this string (\n, \t, \\ as in start); <|endoftext|> = the end-of-text token
     draft: str = ""  # speculative decoding: ngram (prompt lookup) | a smaller model's out_dir or Hugging Face name/directory; "" = off
-    num_draft: int = 4  # tokens the draft proposes per step (speculative decoding)
+    num_draft: Optional[int] = None  # tokens the draft proposes per step; None = 4 for ngram, 2 for a model
 
 
 SAMPLE_CHOICES = {"device": DEVICES, "weights_dtype": WEIGHTS_DTYPES}
@@ -174,7 +174,7 @@ def main(argv=None):
         if c["stream"] and c["num_samples"] != 1:
             raise ConfigError("stream=True prints one sample as it arrives: set num_samples=1")
         device = pick_device(c["device"])
-        if c["draft"] and c["num_draft"] < 1:
+        if c["draft"] and c["num_draft"] is not None and c["num_draft"] < 1:
             raise ConfigError(f"num_draft={c['num_draft']} must be >= 1 (tokens the draft proposes per step)")
         model, tokenizer, _ = model_and_tokenizer(c["init_from"], c["out_dir"])
         model = for_inference(model.to(device=device), c["weights_dtype"])
