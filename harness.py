@@ -12,7 +12,7 @@ The rules we follow are the hf backend's, request by request:
 - loglikelihood_rolling: lm-eval's disjoint rolling windows of block_size, the first conditioned on the
   prefix token, summed.
 - generate_until: the context cut from the left to block_size - max_gen_toks, greedy (or sampled, with
-  do_sample) through model.generate with the KV cache, stopped at the first stop string or the
+  do_sample) through model.stream with the KV cache, stopped at the first stop string or the
   end-of-text token, and cut at the first stop string.
 """
 
@@ -58,7 +58,7 @@ class GPTHarness(TemplateLM):
             return self.tokenizer.eot_token
         newline = getattr(self.tokenizer, "stoi", {}).get("\n")
         if newline is None:
-            raise ValueError("a request with an empty context needs an end-of-text or newline token to condition "
+            raise ConfigError("a request with an empty context needs an end-of-text or newline token to condition "
                              "on, and this tokenizer has neither")
         return newline
 
@@ -83,7 +83,7 @@ class GPTHarness(TemplateLM):
             for i in batch:
                 _, context, cont = requests[i]
                 if not context or not cont or len(cont) > self.max_length:
-                    raise ValueError(f"request {i}: {len(context)} context and {len(cont)} continuation tokens; "
+                    raise ConfigError(f"request {i}: {len(context)} context and {len(cont)} continuation tokens; "
                                      f"both must be non-empty and the continuation at most block_size={self.max_length}")
                 inputs.append((context + cont)[-(self.max_length + 1) :][:-1])
                 continuations.append(cont)
@@ -126,7 +126,7 @@ class GPTHarness(TemplateLM):
         until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
         max_gen_toks = kwargs.pop("max_gen_toks")
         if max_gen_toks >= self.max_length:
-            raise ValueError(f"max_gen_toks={max_gen_toks} leaves no room for a context in block_size={self.max_length}")
+            raise ConfigError(f"max_gen_toks={max_gen_toks} leaves no room for a context in block_size={self.max_length}")
         temperature = kwargs.get("temperature", 0.0) if kwargs.get("do_sample") else 0.0
         ids = self.tok_encode(context, left_truncate_len=self.max_length - max_gen_toks) or [self.prefix_token_id]
         new = []
