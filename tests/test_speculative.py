@@ -221,9 +221,12 @@ def test_sample_py_refuses_a_draft_with_another_tokenizer(tmp_path, trained_run)
 
 @pytest.mark.slow
 def test_an_interrupted_sample_prints_nothing_half_way(trained_run):
+    # a shell's background job (as a CI runner may start pytest) ignores SIGINT, and Python keeps an ignored
+    # SIGINT ignored: give the child the terminal's default, which Python turns into KeyboardInterrupt
     proc = subprocess.Popen([sys.executable, "sample.py", f"--out_dir={trained_run}", "--draft=ngram", "--device=cpu",
                              "--max_new_tokens=1000000", "--num_samples=2"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stderr.readline().startswith("precision:")  # generation has begun
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
