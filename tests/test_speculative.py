@@ -227,9 +227,12 @@ def test_an_interrupted_sample_prints_nothing_half_way(trained_run):
                              "--max_new_tokens=1000000", "--num_samples=2"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    assert proc.stderr.readline().startswith("precision:")  # generation has begun
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        assert proc.stderr.readline().startswith("precision:")  # generation has begun
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # never leave a million-token sample running after a failure
     assert proc.returncode == 128 + signal.SIGINT and out == ""
     assert err.strip() == "error: interrupted; nothing printed"
 
