@@ -291,9 +291,10 @@ def bench_sample(model, c, device):
     if P + N > config.block_size:
         raise ConfigError(f"prompt_len + new_tokens = {P + N} exceeds block_size={config.block_size}; "
                           "beyond it every step recomputes the window (see model.generate)")
-    prompt = make_prompt(c, config, device)
+    tokenizer = tokenizer_for(c["out_dir"]) if c["out_dir"] and (c["prompt_file"] or c["draft"]) else None
+    prompt = make_prompt(c, config, tokenizer, device)
     if c["draft"]:
-        return bench_speculative(model, twin, prompt, c, device)
+        return bench_speculative(model, twin, tokenizer, prompt, c, device)
     runs = {
         "prefill": lambda: model.prefill(prompt, KVCache(config.n_layer, config.block_size)),
         "ours": lambda: model.generate(prompt, N, temperature=0),
@@ -325,16 +326,16 @@ def bench_sample(model, c, device):
     return result
 
 
-def make_prompt(c, config, device):
+def make_prompt(c, config, tokenizer, device):
     """prompt_len random tokens, or the first prompt_len tokens of --prompt_file in the model's tokenizer."""
     if not c["prompt_file"]:
         g = torch.Generator().manual_seed(c["seed"])
         return torch.randint(config.vocab_size, (1, c["prompt_len"]), generator=g).to(device)
-    if not c["out_dir"]:
+    if tokenizer is None:
         raise ConfigError("prompt_file needs a trained model's tokenizer: give --out_dir")
     try:
         with open(c["prompt_file"], encoding="utf-8") as f:
-            ids = tokenizer_for(c["out_dir"]).encode(f.read())
+            ids = tokenizer.encode(f.read())
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"prompt_file={c['prompt_file']}: cannot read it as UTF-8 text ({e})") from None
     if len(ids) < c["prompt_len"]:
@@ -342,18 +343,20 @@ def make_prompt(c, config, device):
     return torch.tensor([ids[: c["prompt_len"]]], device=device)
 
 
-def bench_speculative(model, twin, prompt, c, device):
+def bench_speculative(model, twin, tokenizer, prompt, c, device):
     """Greedy speculative decoding against our plain decode, and with --compare=hf against transformers'
     plain and assisted generation (the same draft weights as assistant_model, or prompt_lookup_num_tokens
     for ngram), interleaved. Every contender must produce the same tokens as our plain decode."""
-    tokenizer = tokenizer_for(c["out_dir"]) if c["out_dir"] else None
     draft = load_draft(c["draft"], tokenizer)
     N, k = c["new_tokens"], draft.default_num_draft if c["num_draft"] is None else c["num_draft"]
     if k < 1:
         raise ConfigError(f"num_draft={k} must be >= 1")
     draft_twin = None
     if isinstance(draft, ModelDraft):
-        draft.check(model.config)
+        try:
+            draft.check(model.config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         draft_twin = hf_twin(draft.model.to(device), c["hf_dtype"]).eval() if twin is not None else None
         draft.model = for_inference(draft.model.to(device), c["weights_dtype"])
     runs = {

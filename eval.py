@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from checkpoint import CheckpointError, model_and_tokenizer
 from configurator import ConfigError, fail, keys_of, parse_or_exit
-from dataset import DataError, hub_offline, hub_reachable, open_split, read_meta, resolve_dataset
+from dataset import DataError, atomic_write, hub_offline, hub_reachable, open_split, read_meta, resolve_dataset
 from device import COMPUTE_DTYPES, DEVICES, autocast, pick_device, pick_dtype
 from hf import PretrainedError
 
@@ -189,10 +189,7 @@ def run_tasks(c):
 
 
 def write_json(path, result):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=2, default=str)
-    os.replace(tmp, path)  # nothing half-written
+    atomic_write(path, lambda f: f.write(json.dumps(result, indent=2, default=str).encode()))  # nothing half-written
 
 
 def main(argv=None):

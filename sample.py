@@ -179,9 +179,8 @@ def main(argv=None):
         model, tokenizer, _ = model_and_tokenizer(c["init_from"], c["out_dir"])
         model = for_inference(model.to(device=device), c["weights_dtype"])
         draft = load_draft(c["draft"], tokenizer) if c["draft"] else None
-        if isinstance(draft, ModelDraft):
+        if isinstance(draft, ModelDraft):  # its vocabulary is checked by generate, before anything runs
             draft.model = for_inference(draft.model.to(device=device), c["weights_dtype"])
-            draft.check(model.config)
         prompt = read_prompt(c["start"])
         c = {**c, "stop": None if c["stop"] is None else unescape(c["stop"])}
         if c["stream"]:
