@@ -30,7 +30,7 @@ from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, load_draft,
 from dataset import DataError, tokenizer_from_meta
 from hf import PretrainedError
 from configurator import ConfigError, fail, keys_of, parse_or_exit
-from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, KVCache, ModelDraft, lm_loss
+from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, KVCache, ModelDraft, check_num_draft, lm_loss
 from optim import OPTIMIZERS, build_optimizers
 from quantize import WEIGHTS_DTYPES, Int8Linear, for_inference
 from device import COMPUTE_DTYPES, DEVICES, autocast, cpu_facts, cuda_peak_flops, estimate_mfu, pick_device, pick_dtype, precision
@@ -349,14 +349,13 @@ def bench_speculative(model, twin, tokenizer, prompt, c, device):
     for ngram), interleaved. Every contender must produce the same tokens as our plain decode."""
     draft = load_draft(c["draft"], tokenizer)
     N, k = c["new_tokens"], draft.default_num_draft if c["num_draft"] is None else c["num_draft"]
-    if k < 1:
-        raise ConfigError(f"num_draft={k} must be >= 1")
+    try:  # before transformers' twins are built
+        check_num_draft(k)
+        draft.check(model.config)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     draft_twin = None
     if isinstance(draft, ModelDraft):
-        try:
-            draft.check(model.config)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
         draft_twin = hf_twin(draft.model.to(device), c["hf_dtype"]).eval() if twin is not None else None
         draft.model = for_inference(draft.model.to(device), c["weights_dtype"])
     runs = {

@@ -466,6 +466,11 @@ def check_sampling_args(max_new_tokens, temperature, top_k, top_p):
         raise ValueError(f"top_p={top_p} must be in (0, 1], or None for no nucleus filter")
 
 
+def check_num_draft(num_draft):
+    if num_draft < 1:
+        raise ValueError(f"num_draft={num_draft} must be >= 1 (tokens the draft proposes per step)")
+
+
 # Speculative decoding: a draft proposes k tokens, one forward of the target scores them all, and
 # Leviathan et al. (2023) / Chen et al. (2023)'s rule keeps a prefix, so the output is distributed exactly
 # as the target's own samples (and equals its greedy output at temperature 0).
@@ -709,8 +714,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         if draft is not None:
             num_draft = draft.default_num_draft if num_draft is None else num_draft
-            if num_draft < 1:
-                raise ValueError(f"num_draft={num_draft} must be >= 1")
+            check_num_draft(num_draft)
             if B != 1 or not use_cache:
                 raise ValueError("speculative decoding streams one row with the KV cache; generate() runs a batch row by row")
             draft.check(self.config)

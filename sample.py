@@ -20,7 +20,7 @@ from checkpoint import load_draft, model_and_tokenizer
 from configurator import ConfigError, fail, keys_of, parse_or_exit
 from dataset import DataError
 from device import DEVICES, pick_device, precision
-from model import ModelDraft, check_sampling_args
+from model import ModelDraft, check_num_draft, check_sampling_args
 from quantize import WEIGHTS_DTYPES, for_inference
 
 END_OF_TEXT = "<|endoftext|>"
@@ -174,8 +174,8 @@ def main(argv=None):
         if c["stream"] and c["num_samples"] != 1:
             raise ConfigError("stream=True prints one sample as it arrives: set num_samples=1")
         device = pick_device(c["device"])
-        if c["draft"] and c["num_draft"] is not None and c["num_draft"] < 1:
-            raise ConfigError(f"num_draft={c['num_draft']} must be >= 1 (tokens the draft proposes per step)")
+        if c["draft"] and c["num_draft"] is not None:
+            check_num_draft(c["num_draft"])  # before any model loads
         model, tokenizer, _ = model_and_tokenizer(c["init_from"], c["out_dir"])
         model = for_inference(model.to(device=device), c["weights_dtype"])
         draft = load_draft(c["draft"], tokenizer) if c["draft"] else None
