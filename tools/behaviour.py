@@ -6,7 +6,8 @@ compare the two.
   python tools/behaviour.py compare OLD NEW  weights and losses bit for bit, texts equal, help diffs shown
 
 The scenario: a 2-layer character model trained 30 steps on generated verse (fp32, CPU, dropout 0.1),
-then sample.py with a fixed seed from its checkpoint with fp32, bf16 and int8 weights. Timing fields
+then sample.py with a fixed seed from its checkpoint with fp32, bf16 and int8 weights, and speculative
+decoding (greedy and sampled) with prompt lookup and with a 1-layer draft trained 10 steps. Timing fields
 (elapsed, tokens/s, ms/step, MFU) differ between any two runs and are left out.
 """
 
@@ -25,7 +26,8 @@ TRAIN = ["--max_iters=30", "--dropout=0.1", "--n_layer=2", "--n_head=2", "--n_em
          "--batch_size=4", "--eval_interval=10", "--eval_iters=2", "--log_interval=1", "--warmup_iters=5",
          "--learning_rate=3e-3", "--min_lr=3e-4", "--dtype=float32", "--device=cpu"]  # fmt: skip
 WEIGHTS = ("float32", "bfloat16", "int8")
-HELP = ("train.py", "sample.py", "bench.py", "export.py")
+DRAFTS = ("ngram", "model")
+HELP = ("train.py", "sample.py", "bench.py", "export.py", "eval.py", "ablate.py", "plot.py")
 
 
 def verse(n_chars, seed=0):
@@ -60,12 +62,18 @@ def record(out):
     prepare_text(text, char_tokenizer_for(text), data)
     run_dir = os.path.join(out, "run")
     run("train.py", *TRAIN, f"--dataset={data}", f"--out_dir={run_dir}", "--overwrite=True")
+    draft_dir = os.path.join(out, "draft")
+    run("train.py", *TRAIN, "--n_layer=1", "--max_iters=10", f"--dataset={data}", f"--out_dir={draft_dir}",
+        "--overwrite=True")
     key = sample_weights_key()
-    texts = {w: run("sample.py", f"--out_dir={run_dir}", "--seed=7", "--num_samples=2", "--max_new_tokens=60",
-                    "--start=The king", f"--{key}={w}", "--device=cpu") for w in WEIGHTS}
+    common = (f"--out_dir={run_dir}", "--seed=7", "--num_samples=2", "--max_new_tokens=60", "--start=The king",
+              "--device=cpu")
+    texts = {w: run("sample.py", *common, f"--{key}={w}") for w in WEIGHTS}
+    speculative = {f"{d} t={t}": run("sample.py", *common, f"--draft={draft_dir if d == 'model' else d}",
+                                     f"--temperature={t}") for d in DRAFTS for t in (0, 0.8)}
     helps = {script: run(script, "--help") for script in HELP}
     with open(os.path.join(out, "texts.json"), "w") as f:
-        json.dump({"samples": texts, "help": helps}, f, indent=1)
+        json.dump({"samples": texts, "speculative": speculative, "help": helps}, f, indent=1)
     print(f"recorded -> {out}")
 
 
@@ -92,12 +100,15 @@ def compare(old, new):
             texts.append(json.load(f))
     problems += [f"sample text with {w} weights differs" for w in WEIGHTS
                  if texts[0]["samples"][w] != texts[1]["samples"][w]]
-    for script in HELP:
-        diff = list(difflib.unified_diff(texts[0]["help"][script].splitlines(), texts[1]["help"][script].splitlines(),
+    problems += [f"speculative sample text ({name}) differs" for name in texts[0].get("speculative", {})
+                 if texts[0]["speculative"][name] != texts[1]["speculative"].get(name)]
+    for script in texts[0]["help"]:
+        diff = list(difflib.unified_diff(texts[0]["help"][script].splitlines(), texts[1]["help"].get(script, "").splitlines(),
                                          f"old {script} --help", f"new {script} --help", lineterm="", n=0))
         if diff:
             print("\n".join(diff))
-    print(f"{len(metrics[0])} metrics lines, {len(weights[0])} weight tensors, {len(WEIGHTS)} sample texts compared")
+    n_texts = len(texts[0]["samples"]) + len(texts[0].get("speculative", {}))
+    print(f"{len(metrics[0])} metrics lines, {len(weights[0])} weight tensors, {n_texts} sample texts compared")
     if problems:
         sys.exit("BEHAVIOUR CHANGED: " + "; ".join(problems))
     print("same behaviour: weights and losses bit for bit, sample texts identical (help diffs above, if any)")
