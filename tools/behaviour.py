@@ -2,10 +2,10 @@
 Proves that a refactoring changed no behaviour: record a fixed scenario before, record it again after,
 compare the two.
 
-  python tools/behaviour.py record DIR       a 30-step run with dropout, samples, --help texts -> DIR
+  python tools/behaviour.py record DIR       a 120-step run with dropout, samples, --help texts -> DIR
   python tools/behaviour.py compare OLD NEW  weights and losses bit for bit, texts equal, help diffs shown
 
-The scenario: a 2-layer character model trained 30 steps on generated verse (fp32, CPU, dropout 0.1),
+The scenario: a 2-layer character model trained 120 steps on generated verse (fp32, CPU, dropout 0.1),
 then sample.py with a fixed seed from its checkpoint with fp32, bf16 and int8 weights, and speculative
 decoding (greedy and sampled) with prompt lookup and with a 1-layer draft trained 10 steps. Timing fields
 (elapsed, tokens/s, ms/step, MFU) differ between any two runs and are left out.
@@ -22,8 +22,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMING = ("elapsed", "tokens_per_sec", "ms_per_iter", "mfu")
-TRAIN = ["--max_iters=30", "--dropout=0.1", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32",
-         "--batch_size=4", "--eval_interval=10", "--eval_iters=2", "--log_interval=1", "--warmup_iters=5",
+TRAIN = ["--max_iters=120", "--dropout=0.1", "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32",
+         "--batch_size=4", "--eval_interval=40", "--eval_iters=2", "--log_interval=1", "--warmup_iters=5",
          "--learning_rate=3e-3", "--min_lr=3e-4", "--dtype=float32", "--device=cpu"]  # fmt: skip
 WEIGHTS = ("float32", "bfloat16", "int8")
 DRAFTS = ("ngram", "model")
