@@ -19,12 +19,11 @@ one resumes. Results: out_dir/results.md and out_dir/loss_curves.png (needs matp
 import os
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, model_config, read_metrics
-from configurator import ConfigError, fail, keys_of, parse_dict, parse_or_exit, read_config_file
-from dataset import DataError
-from model import GPT, GPTConfig
+from checkpoint import CHECKPOINT, load_checkpoint, read_metrics, tokens_per_step
+from configurator import ConfigError, UserError, checked, cli_main, parse_config, parse_dict, read_config_file
+from model import GPT, GPTConfig, model_config
 from plot import line_style, pyplot
 import train
 
@@ -40,51 +39,47 @@ STUDY_KEYS = ("base", "variants", "seeds", "tokens", "targets", "title", "notes"
 
 
 def load_study(path):
-    """(runs, study) where runs is [(variant, seed, values, explicit)], every one checked."""
-    try:
-        study = read_config_file(path)
-    except ConfigError as e:
-        fail(e)
+    """(runs, study) where runs is [(variant, seed, config, explicit)], every one checked."""
+    study = read_config_file(path)
     unknown = set(study) - set(STUDY_KEYS)
     if unknown:
-        fail(f"{path}: unknown study keys {sorted(unknown)}; a study assigns {', '.join(STUDY_KEYS)}")
+        raise ConfigError(f"{path}: unknown study keys {sorted(unknown)}; a study assigns {', '.join(STUDY_KEYS)}")
     if not isinstance(study.get("variants"), dict) or not study["variants"]:
-        fail(f"{path}: variants must be a non-empty dict of name -> keys")
+        raise ConfigError(f"{path}: variants must be a non-empty dict of name -> keys")
     seeds = study.get("seeds", [1337])
     keys = train.config_keys()
     runs = []
     for name, overrides in study["variants"].items():
         try:  # unknown keys and wrong types, with the closest names
-            checked, explicit = parse_dict(keys, {**study.get("base", {}), **overrides}, f"variant {name!r}")
+            values, explicit = parse_dict(keys, {**study.get("base", {}), **overrides}, f"variant {name!r}")
         except ConfigError as e:
-            fail(f"{path}: {e}")
+            raise ConfigError(f"{path}: {e}") from None
+        c = train.TrainConfig(**values)
         if "tokens" in study:
-            per_step = checked["batch_size"] * checked["block_size"] * checked["gradient_accumulation_steps"]
-            checked["max_iters"] = max(1, study["tokens"] // per_step)
-            checked.setdefault("lr_decay_iters", None)
+            c = replace(c, max_iters=max(1, study["tokens"] // tokens_per_step(c)))
         try:
-            train.check_config(checked)
-            model_config(checked)
+            train.check_config(c)
+            checked(model_config, c)
         except ConfigError as e:
-            fail(f"{path}: variant {name!r}: {e}")
+            raise ConfigError(f"{path}: variant {name!r}: {e}") from None
         for seed in seeds:
-            runs.append((name, seed, {**checked, "seed": seed}, explicit | {"seed", "max_iters"}))
+            runs.append((name, seed, replace(c, seed=seed), explicit | {"seed", "max_iters"}))
     return runs, study
 
 
-def run_one(values, explicit, out_dir, wandb):
+def run_one(c, explicit, out_dir, wandb):
     """Trains one variant x seed (resuming it if it was interrupted); returns 'done' or 'diverged'."""
     ckpt_path = os.path.join(out_dir, CHECKPOINT)
     marker = os.path.join(out_dir, "diverged")
     if os.path.exists(marker):
         return "diverged"
     if os.path.exists(ckpt_path):
-        if load_checkpoint(ckpt_path)["iter_num"] >= values["max_iters"]:
+        if load_checkpoint(ckpt_path)["iter_num"] >= c.max_iters:
             return "done"
-        values = {**values, "init_from": "resume"}
-    values = {**values, "out_dir": out_dir, "overwrite": True, **wandb}
+        c = replace(c, init_from="resume")
+    c = replace(c, out_dir=out_dir, overwrite=True, **wandb)
     try:
-        result = train.train(values, explicit | {"out_dir", "init_from", "overwrite"} | set(wandb))
+        result = train.train(c, explicit | {"out_dir", "init_from", "overwrite"} | set(wandb))
     except train.NonFinite as e:
         with open(marker, "w") as f:
             f.write(str(e) + "\n")
@@ -98,7 +93,7 @@ def run_one(values, explicit, out_dir, wandb):
 def summarize(runs, root):
     """Per variant: parameters, final and best val loss (mean, std over seeds), tokens/s, diverged."""
     rows = {}
-    for name, seed, values, _ in runs:
+    for name, seed, c, _ in runs:
         out_dir = os.path.join(root, name, f"seed{seed}")
         records = read_metrics(out_dir)
         evals = [r for r in records if "val_loss" in r]
@@ -114,8 +109,7 @@ def summarize(runs, root):
                 row["bpb"].append(evals[-1]["val_bpb"])
         if steps:
             row["tps"].append(statistics.median(r["tokens_per_sec"] for r in steps))
-        tokens_per_step = values["batch_size"] * values["block_size"] * values["gradient_accumulation_steps"]
-        row["curves"].append([(r["iter"] * tokens_per_step, r["val_loss"]) for r in evals])
+        row["curves"].append([(r["iter"] * tokens_per_step(c), r["val_loss"]) for r in evals])
         row["evals"].append(evals)
         ckpt = os.path.join(out_dir, CHECKPOINT)
         if row["params"] is None and os.path.exists(ckpt):
@@ -195,25 +189,28 @@ def plot(rows, root, title):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+    cli_main(run_study, argv)
+
+
+def run_study(argv):
     files = [a for a in argv if not a.startswith("-")]
     options = [a for a in argv if a.startswith("-")]
-    c, _ = parse_or_exit(keys_of(AblateConfig), options, "python ablate.py STUDY_FILE [--key=value ...]",
-                         __doc__.strip().splitlines()[0])
+    c, _ = parse_config(AblateConfig, options, "python ablate.py STUDY_FILE [--key=value ...]",
+                        __doc__.strip().splitlines()[0])
     if len(files) != 1:
-        fail("give exactly one study file, e.g. python ablate.py config/ablations/positions.py")
+        raise ConfigError("give exactly one study file, e.g. python ablate.py config/ablations/positions.py")
     path = files[0]
     runs, study = load_study(path)
     name = os.path.splitext(os.path.basename(path))[0]
-    root = c["out_dir"] or os.path.join("out-ablations", name)
+    root = c.out_dir or os.path.join("out-ablations", name)
     for i, (variant, seed, values, explicit) in enumerate(runs):
-        wandb = {"wandb_log": True, "wandb_project": c["wandb_project"],
-                 "wandb_run_name": f"{name}/{variant}/seed{seed}"} if c["wandb_log"] else {}
+        wandb = {"wandb_log": True, "wandb_project": c.wandb_project,
+                 "wandb_run_name": f"{name}/{variant}/seed{seed}"} if c.wandb_log else {}
         print(f"[{i + 1}/{len(runs)}] {variant} seed {seed}", flush=True)
         try:
             status = run_one(values, explicit, os.path.join(root, variant, f"seed{seed}"), wandb)
-        except (ConfigError, DataError, CheckpointError) as e:
-            fail(f"variant {variant!r} seed {seed}: {e}")
+        except UserError as e:
+            raise ConfigError(f"variant {variant!r} seed {seed}: {e}") from None
         print(f"[{i + 1}/{len(runs)}] {variant} seed {seed}: {status}", flush=True)
     rows = summarize(runs, root)
     print(write_results(rows, root, study, path, len(study.get("seeds", [1337]))))

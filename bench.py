@@ -14,30 +14,29 @@ both alike; ratios are medians of the per-round ratios.
 """
 
 import copy
-import json
-import os
 import resource
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, replace
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
-from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, load_draft, load_model, model_config
-from dataset import DataError, tokenizer_from_meta
-from hf import PretrainedError
-from configurator import ConfigError, fail, keys_of, parse_or_exit
-from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, KVCache, ModelDraft, check_num_draft, lm_loss
+import speculative
+from checkpoint import load_any
+from configurator import ConfigError, checked, cli_main, keys_of, parse_config
+from dataset import write_json
+from model import MODEL_CHOICES, GPT, KVCache, ModelKeys, Sampling, lm_loss, model_config
 from optim import OPTIMIZERS, build_optimizers
 from quantize import WEIGHTS_DTYPES, Int8Linear, for_inference
 from device import COMPUTE_DTYPES, DEVICES, autocast, cpu_facts, cuda_peak_flops, estimate_mfu, pick_device, pick_dtype, precision
 
 
 @dataclass
-class BenchConfig:
+class BenchConfig(ModelKeys):  # and every model key (model.ModelKeys)
     out_dir: str = ""  # benchmark the model in out_dir/ckpt.pt; empty = a random model of the shape keys below
     batch_size: int = 12  # training batch
     dtype: str = "auto"  # training autocast: auto | float32 | bfloat16 | float16 (auto as in train.py)
@@ -64,11 +63,11 @@ class BenchConfig:
 BENCH_CHOICES = {"dtype": COMPUTE_DTYPES, "device": DEVICES,
            "weights_dtype": WEIGHTS_DTYPES, "compare": ("", "hf", "float32", "adamw"), "optimizer": tuple(OPTIMIZERS),
            "hf_dtype": ("float32", "bfloat16"), **MODEL_CHOICES}  # fmt: skip
-BENCH_KEYS = [f.name for f in fields(BenchConfig)]
+GREEDY = Sampling(temperature=0)
 
 
 def config_keys():
-    return keys_of(BenchConfig, BENCH_CHOICES) + keys_of(GPTConfig, BENCH_CHOICES)
+    return keys_of(BenchConfig, BENCH_CHOICES, base=ModelKeys)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -133,10 +132,13 @@ def peak_memory(device):
 
 
 def build_model(c, device):
-    if c["out_dir"]:
-        return load_model(c["out_dir"])[0].to(device)
-    torch.manual_seed(c["seed"])
-    return GPT(model_config(c)).to(device)
+    """(model, tokenizer): the model in out_dir (a run or a Hugging Face directory), or a random one of the
+    keys' shape (no tokenizer)."""
+    if c.out_dir:
+        model, tokenizer, _ = load_any(c.out_dir)
+        return model.to(device), tokenizer
+    torch.manual_seed(c.seed)
+    return GPT(checked(model_config, c)).to(device), None
 
 
 def hf_twin(model, dtype):
@@ -159,9 +161,9 @@ class OurTrainStep:
     def __init__(self, model, c, device, dtype):
         self.model, self.device = model, device
         device_type = torch.device(device).type
-        self.optimizers = build_optimizers(model, {**HYPER, "optimizer": c["optimizer"]}, device_type)
+        self.optimizers = build_optimizers(model, SimpleNamespace(**HYPER, optimizer=c.optimizer), device_type)
         self.autocast = autocast(device_type, dtype)
-        self.forward = torch.compile(model) if c["compile"] else model
+        self.forward = torch.compile(model) if c.compile else model
         self.z_loss = model.config.z_loss
 
     def __call__(self, x, y):
@@ -195,35 +197,35 @@ class HFTrainStep:
 
 def bench_train(model, c, device, dtype):
     config = model.config
-    if c["compare"] == "adamw" and c["optimizer"] == "adamw":
+    if c.compare == "adamw" and c.optimizer == "adamw":
         raise ConfigError("compare=adamw measures another optimizer against AdamW: set optimizer=muon")
-    B, T = c["batch_size"], config.block_size
-    g = torch.Generator().manual_seed(c["seed"])
+    B, T = c.batch_size, config.block_size
+    g = torch.Generator().manual_seed(c.seed)
     x = torch.randint(config.vocab_size, (B, T), generator=g).to(device)
     y = torch.randint(config.vocab_size, (B, T), generator=g).to(device)
     steps = {"ours": OurTrainStep(model, c, device, dtype)}
-    if c["compare"] == "hf":
-        steps["hf"] = HFTrainStep(hf_twin(model, c["hf_dtype"]))
-    elif c["compare"] == "float32":  # the same model and recipe, autocast off
-        steps["float32"] = OurTrainStep(copy.deepcopy(model), {**c, "compile": False}, device, "float32")
-    elif c["compare"] == "adamw":  # the same model, autocast and compile, AdamW for every parameter
-        steps["adamw"] = OurTrainStep(copy.deepcopy(model), {**c, "optimizer": "adamw"}, device, dtype)
-    compile_seconds = seconds(lambda: steps["ours"](x, y), device) if c["compile"] else None
+    if c.compare == "hf":
+        steps["hf"] = HFTrainStep(hf_twin(model, c.hf_dtype))
+    elif c.compare == "float32":  # the same model and recipe, autocast off
+        steps["float32"] = OurTrainStep(copy.deepcopy(model), replace(c, compile=False), device, "float32")
+    elif c.compare == "adamw":  # the same model, autocast and compile, AdamW for every parameter
+        steps["adamw"] = OurTrainStep(copy.deepcopy(model), replace(c, optimizer="adamw"), device, dtype)
+    compile_seconds = seconds(lambda: steps["ours"](x, y), device) if c.compile else None
     for step in steps.values():
-        for _ in range(c["warmup"]):
+        for _ in range(c.warmup):
             step(x, y)
 
     def timer(step):
-        return lambda: seconds(lambda: [step(x, y) for _ in range(c["steps"])], device) / c["steps"]
+        return lambda: seconds(lambda: [step(x, y) for _ in range(c.steps)], device) / c.steps
 
-    times = interleave({name: timer(step) for name, step in steps.items()}, c["rounds"])
+    times = interleave({name: timer(step) for name, step in steps.items()}, c.rounds)
     ms = statistics.median(times["ours"]) * 1000
     tokens_per_sec = B * T / (ms / 1000)
     device_type = torch.device(device).type
     measured_peak = None if device_type == "cuda" else matmul_peak(getattr(torch, dtype), device)
     peak = cuda_peak_flops(device) if device_type == "cuda" else measured_peak
     result = {
-        "shape": f"{config.n_layer}x{config.n_embd}, T{T}, B{B}", "dtype": dtype, "optimizer": c["optimizer"],
+        "shape": f"{config.n_layer}x{config.n_embd}, T{T}, B{B}", "dtype": dtype, "optimizer": c.optimizer,
         "ms_per_step": ms,
         "tokens_per_sec": tokens_per_sec, "flops_per_token": model.flops_per_token(T),
         "mfu": estimate_mfu(model, tokens_per_sec, T, peak_flops=peak) if peak else None,
@@ -231,7 +233,7 @@ def bench_train(model, c, device, dtype):
         "compile_seconds": compile_seconds, "rounds_ms": [t * 1000 for t in times["ours"]], **peak_memory(device),
     }  # fmt: skip
     if "hf" in times:
-        result.update(hf_ms_per_step=statistics.median(times["hf"]) * 1000, hf_dtype=c["hf_dtype"],
+        result.update(hf_ms_per_step=statistics.median(times["hf"]) * 1000, hf_dtype=c.hf_dtype,
                       hf_rounds_ms=[t * 1000 for t in times["hf"]], speedup_vs_hf=median_ratio(times, "hf", "ours"))
     if "float32" in times:
         result.update(float32_ms_per_step=statistics.median(times["float32"]) * 1000,
@@ -257,9 +259,9 @@ def decode_step_timer(model, context, device, n=20):
 
     @torch.no_grad()
     def steps():
-        cache.length = context  # the positions after it are overwritten, as on the first call
+        cache.rewind(context)  # the positions after it are overwritten, as on the first call
         for _ in range(n):
-            model.decode_step(token, cache).argmax(-1)
+            model.forward_cached(token, cache).argmax(-1)
 
     return lambda: seconds(steps, device) / n
 
@@ -278,26 +280,22 @@ def bytes_read_per_token(model):
     return sum(sizes.values())
 
 
-def bench_sample(model, c, device):
+def bench_sample(model, tokenizer, c, device):
     config = model.config
-    if c["compare"] in ("float32", "adamw"):
-        raise ConfigError(f"compare={c['compare']} is for training; sampling compares with compare=hf only")
-    twin = hf_twin(model.eval(), c["hf_dtype"]).eval() if c["compare"] == "hf" else None  # from fp32 weights
-    try:
-        model = for_inference(model, c["weights_dtype"])
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    P, N = c["prompt_len"], c["new_tokens"]
+    if c.compare in ("float32", "adamw"):
+        raise ConfigError(f"compare={c.compare} is for training; sampling compares with compare=hf only")
+    twin = hf_twin(model.eval(), c.hf_dtype).eval() if c.compare == "hf" else None  # from fp32 weights
+    model = checked(for_inference, model, c.weights_dtype)
+    P, N = c.prompt_len, c.new_tokens
     if P + N > config.block_size:
         raise ConfigError(f"prompt_len + new_tokens = {P + N} exceeds block_size={config.block_size}; "
                           "beyond it every step recomputes the window (see model.generate)")
-    tokenizer = tokenizer_for(c["out_dir"]) if c["out_dir"] and (c["prompt_file"] or c["draft"]) else None
     prompt = make_prompt(c, config, tokenizer, device)
-    if c["draft"]:
+    if c.draft:
         return bench_speculative(model, twin, tokenizer, prompt, c, device)
     runs = {
-        "prefill": lambda: model.prefill(prompt, KVCache(config.n_layer, config.block_size)),
-        "ours": lambda: model.generate(prompt, N, temperature=0),
+        "prefill": lambda: model.forward_cached(prompt, KVCache(config.n_layer, config.block_size)),
+        "ours": lambda: model.generate(prompt, N, GREEDY),
     }
     if twin is not None:
         mask = torch.ones_like(prompt)
@@ -305,15 +303,15 @@ def bench_sample(model, c, device):
                                            do_sample=False, pad_token_id=0)
     with torch.no_grad():
         for run in runs.values():
-            for _ in range(c["warmup"]):
+            for _ in range(c.warmup):
                 run()
-        times = interleave({name: (lambda run=run: seconds(run, device)) for name, run in runs.items()}, c["rounds"])
+        times = interleave({name: (lambda run=run: seconds(run, device)) for name, run in runs.items()}, c.rounds)
     prefill, total = statistics.median(times["prefill"]), statistics.median(times["ours"])
     weight_bytes = bytes_read_per_token(model)
     bandwidth = copy_bandwidth(device)
     decode_per_token = (total - prefill) / N
     result = {
-        "shape": f"{config.n_layer}x{config.n_embd}, vocab {config.vocab_size}", "weights_dtype": c["weights_dtype"],
+        "shape": f"{config.n_layer}x{config.n_embd}, vocab {config.vocab_size}", "weights_dtype": c.weights_dtype,
         "prompt_len": P, "new_tokens": N, "prefill_tokens_per_sec": P / prefill, "decode_tokens_per_sec": 1 / decode_per_token,
         "generate_tokens_per_sec": N / total, "weight_bytes": weight_bytes, "copy_bandwidth_gb_s": bandwidth / 1e9,
         "roofline_tokens_per_sec": bandwidth / weight_bytes,
@@ -321,46 +319,42 @@ def bench_sample(model, c, device):
         **decode_by_context(model, c, device), **peak_memory(device),
     }  # fmt: skip
     if "hf" in times:
-        result.update(hf_generate_tokens_per_sec=N / statistics.median(times["hf"]), hf_dtype=c["hf_dtype"],
+        result.update(hf_generate_tokens_per_sec=N / statistics.median(times["hf"]), hf_dtype=c.hf_dtype,
                       speedup_vs_hf=median_ratio(times, "hf", "ours"))
     return result
 
 
 def make_prompt(c, config, tokenizer, device):
     """prompt_len random tokens, or the first prompt_len tokens of --prompt_file in the model's tokenizer."""
-    if not c["prompt_file"]:
-        g = torch.Generator().manual_seed(c["seed"])
-        return torch.randint(config.vocab_size, (1, c["prompt_len"]), generator=g).to(device)
+    if not c.prompt_file:
+        g = torch.Generator().manual_seed(c.seed)
+        return torch.randint(config.vocab_size, (1, c.prompt_len), generator=g).to(device)
     if tokenizer is None:
         raise ConfigError("prompt_file needs a trained model's tokenizer: give --out_dir")
     try:
-        with open(c["prompt_file"], encoding="utf-8") as f:
+        with open(c.prompt_file, encoding="utf-8") as f:
             ids = tokenizer.encode(f.read())
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"prompt_file={c['prompt_file']}: cannot read it as UTF-8 text ({e})") from None
-    if len(ids) < c["prompt_len"]:
-        raise ConfigError(f"prompt_file={c['prompt_file']} has {len(ids)} tokens, fewer than prompt_len={c['prompt_len']}")
-    return torch.tensor([ids[: c["prompt_len"]]], device=device)
+        raise ConfigError(f"prompt_file={c.prompt_file}: cannot read it as UTF-8 text ({e})") from None
+    if len(ids) < c.prompt_len:
+        raise ConfigError(f"prompt_file={c.prompt_file} has {len(ids)} tokens, fewer than prompt_len={c.prompt_len}")
+    return torch.tensor([ids[: c.prompt_len]], device=device)
 
 
 def bench_speculative(model, twin, tokenizer, prompt, c, device):
     """Greedy speculative decoding against our plain decode, and with --compare=hf against transformers'
     plain and assisted generation (the same draft weights as assistant_model, or prompt_lookup_num_tokens
     for ngram), interleaved. Every contender must produce the same tokens as our plain decode."""
-    draft = load_draft(c["draft"], tokenizer)
-    N, k = c["new_tokens"], draft.default_num_draft if c["num_draft"] is None else c["num_draft"]
-    try:  # before transformers' twins are built
-        check_num_draft(k)
-        draft.check(model.config)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    draft = speculative.load_draft(c.draft, c.num_draft)
+    draft.check(model.config, tokenizer)  # before transformers' twins are built
+    N, k = c.new_tokens, draft.num_draft
     draft_twin = None
-    if isinstance(draft, ModelDraft):
-        draft_twin = hf_twin(draft.model.to(device), c["hf_dtype"]).eval() if twin is not None else None
-        draft.model = for_inference(draft.model.to(device), c["weights_dtype"])
+    if isinstance(draft, speculative.ModelDraft):
+        draft_twin = hf_twin(draft.model.to(device), c.hf_dtype).eval() if twin is not None else None
+        draft.for_inference(device, c.weights_dtype)
     runs = {
-        "ours": lambda: model.generate(prompt, N, temperature=0),
-        "ours_speculative": lambda: model.generate(prompt, N, temperature=0, draft=draft, num_draft=k),
+        "ours": lambda: model.generate(prompt, N, GREEDY),
+        "ours_speculative": lambda: speculative.generate(model, prompt, N, GREEDY, draft),
     }
     if twin is not None:
         hf = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0)
@@ -372,16 +366,16 @@ def bench_speculative(model, twin, tokenizer, prompt, c, device):
             runs["hf_assisted"] = lambda: twin.generate(prompt, assistant_model=draft_twin, **hf)
     with torch.no_grad():
         outputs = {name: run()[0, prompt.size(1) :].tolist() for name, run in runs.items()}
-        draft.checks = draft.proposed = draft.accepted = 0  # count one speculative run
+        draft.reset_stats()  # count one speculative run
         runs["ours_speculative"]()
         stats = {"acceptance_rate": draft.accepted / max(1, draft.proposed), "drafted_per_check": draft.proposed / max(1, draft.checks),
                  "target_forwards_per_token": (N - draft.accepted) / N}  # fmt: skip
         for run in runs.values():
-            for _ in range(c["warmup"] - 1):
+            for _ in range(c.warmup - 1):
                 run()
-        times = interleave({name: (lambda run=run: seconds(run, device)) for name, run in runs.items()}, c["rounds"])
+        times = interleave({name: (lambda run=run: seconds(run, device)) for name, run in runs.items()}, c.rounds)
     result = {"shape": f"{model.config.n_layer}x{model.config.n_embd}, vocab {model.config.vocab_size}",
-              "draft": c["draft"], "num_draft": k, "prompt_len": prompt.size(1), "new_tokens": N, **stats,
+              "draft": c.draft, "num_draft": k, "prompt_len": prompt.size(1), "new_tokens": N, **stats,
               "same_tokens_as_our_plain_decode": {name: out == outputs["ours"] for name, out in outputs.items() if name != "ours"},
               **{f"{name}_tokens_per_sec": N / statistics.median(t) for name, t in times.items()},
               "speculative_vs_plain": median_ratio(times, "ours", "ours_speculative")}  # fmt: skip
@@ -391,15 +385,11 @@ def bench_speculative(model, twin, tokenizer, prompt, c, device):
     return result
 
 
-def tokenizer_for(out_dir):
-    return tokenizer_from_meta(load_checkpoint(os.path.join(out_dir, CHECKPOINT), mmap=True)["tokenizer"])
-
-
 def decode_by_context(model, c, device):
     """Decode ms per token at each context length, the lengths interleaved round by round, and the
     median ratio of the longest context's time to the shortest's."""
     lengths = contexts(c, model.config)
-    times = interleave({ctx: decode_step_timer(model, ctx, device) for ctx in lengths}, c["rounds"])
+    times = interleave({ctx: decode_step_timer(model, ctx, device) for ctx in lengths}, c.rounds)
     return {
         "decode_ms_per_token_at_context": {ctx: statistics.median(t) * 1000 for ctx, t in times.items()},
         "decode_longest_vs_shortest_context": median_ratio(times, max(lengths), min(lengths)),
@@ -407,7 +397,7 @@ def decode_by_context(model, c, device):
 
 
 def contexts(c, config):
-    out = [int(x) for x in c["contexts"].split(",") if x.strip()]
+    out = [int(x) for x in c.contexts.split(",") if x.strip()]
     return [ctx for ctx in out if ctx + 20 <= config.block_size] or [min(10, config.block_size - 21)]
 
 
@@ -437,31 +427,30 @@ def report(results):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+    return cli_main(run_benchmarks, argv)
+
+
+def run_benchmarks(argv):
     what = argv[0] if argv and argv[0] in ("train", "sample", "all") else None
-    values, explicit = parse_or_exit(config_keys(), argv[1:] if what else argv,
-                                     "python bench.py train|sample|all [config_file ...] [--key=value ...]",
-                                     __doc__.strip().splitlines()[0])
+    c, _ = parse_config(BenchConfig, argv[1:] if what else argv,
+                        "python bench.py train|sample|all [config_file ...] [--key=value ...]",
+                        __doc__.strip().splitlines()[0], config_keys())
     if what is None:
-        fail("say what to measure first: python bench.py train|sample|all ...")
-    try:
-        if values["compare"] and values["rounds"] < 5:
-            raise ConfigError(f"rounds={values['rounds']}: a comparison needs at least 5 interleaved rounds")
-        if values["threads"] > 0:
-            torch.set_num_threads(values["threads"])
-        device = pick_device(values["device"])
-        dtype = pick_dtype(values["dtype"], torch.device(device).type)
-        results = {"machine": machine(torch.device(device).type)}
-        if what in ("train", "all"):
-            results["train"] = bench_train(build_model(values, device), values, device, dtype)
-        if what in ("sample", "all"):
-            results["sample"] = bench_sample(build_model(values, device), values, device)
-    except (ConfigError, CheckpointError, DataError, PretrainedError) as e:
-        fail(e)
+        raise ConfigError("say what to measure first: python bench.py train|sample|all ...")
+    if c.compare and c.rounds < 5:
+        raise ConfigError(f"rounds={c.rounds}: a comparison needs at least 5 interleaved rounds")
+    if c.threads > 0:
+        torch.set_num_threads(c.threads)
+    device = pick_device(c.device)
+    dtype = pick_dtype(c.dtype, torch.device(device).type)
+    results = {"machine": machine(torch.device(device).type)}
+    if what in ("train", "all"):
+        results["train"] = bench_train(build_model(c, device)[0], c, device, dtype)
+    if what in ("sample", "all"):
+        results["sample"] = bench_sample(*build_model(c, device), c, device)
     report(results)
-    if values["json"]:
-        with open(values["json"], "w") as f:
-            json.dump({"config": {k: values[k] for k in BENCH_KEYS + MODEL_KEYS}, "results": results}, f, indent=2)
+    if c.json:
+        write_json(c.json, {"config": asdict(c), "results": results})
     return results
 
 

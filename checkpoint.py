@@ -1,5 +1,6 @@
 """
-Checkpoints, shared by train.py, sample.py, bench.py and export.
+Checkpoints, shared by train.py, sample.py, bench.py and export.py, and load_any: the one way every
+script loads a model (a training run, a Hugging Face directory, a pretrained name).
 
 A checkpoint holds only tensors, numbers, strings, lists and dicts, so it loads with
 torch.load(weights_only=True): a file that needs arbitrary unpickling (code execution) is refused.
@@ -18,17 +19,17 @@ import zipfile
 
 import torch
 
-from configurator import ConfigError
-from dataset import atomic_write, describe_tokenizer, same_tokenizer, tokenizer_from_meta
-from hf import pretrained_tokenizer
-from model import MODEL_KEYS, GPT, GPTConfig, ModelDraft, NgramDraft
+from configurator import UserError
+from dataset import atomic_write, tokenizer_from_meta
+from hf import GPT2_HUB_NAMES, pretrained_tokenizer
+from model import GPT, GPTConfig
 
 FORMAT = 1
 CHECKPOINT = "ckpt.pt"  # in out_dir
 METRICS = "metrics.jsonl"  # in out_dir: one JSON line per log and evaluation
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     pass
 
 
@@ -89,37 +90,21 @@ def load_model(out_dir):
     return model_from_checkpoint(state, path), state
 
 
-def model_and_tokenizer(init_from, out_dir):
-    """(model, tokenizer, checkpoint state or None): out_dir's checkpoint (init_from=resume), or a
-    pretrained name or Hugging Face directory (sample.py's and eval.py's --init_from)."""
-    if init_from == "resume":
-        model, state = load_model(out_dir)
-        return model, tokenizer_from_meta(state["tokenizer"]), state
-    model = GPT.from_pretrained(init_from)
-    return model, pretrained_tokenizer(init_from, model), None
+def load_any(spec):
+    """(model, tokenizer, checkpoint state or None) for spec: a training run's out_dir (it holds ckpt.pt),
+    a Hugging Face model directory (config.json) or a pretrained name (gpt2 ... gpt2-xl). Anything else
+    is read as a run, whose error says what is missing."""
+    is_run = os.path.exists(os.path.join(spec, CHECKPOINT))
+    if not is_run and (spec in GPT2_HUB_NAMES or os.path.exists(os.path.join(spec, "config.json"))):
+        model = GPT.from_pretrained(spec)
+        return model, pretrained_tokenizer(spec, model), None
+    model, state = load_model(spec)
+    return model, tokenizer_from_meta(state["tokenizer"]), state
 
 
-def load_draft(spec, tokenizer):
-    """sample.py's and bench.py's --draft: ngram (prompt lookup), a training run's out_dir or a pretrained
-    name or directory, whose tokenizer must be the target's (tokenizer; None: only the vocabulary size is
-    checked, by ModelDraft.check)."""
-    if spec == "ngram":
-        return NgramDraft()
-    init_from = "resume" if os.path.exists(os.path.join(spec, CHECKPOINT)) else spec
-    model, draft_tokenizer, _ = model_and_tokenizer(init_from, spec)
-    if tokenizer is not None and not same_tokenizer(tokenizer, draft_tokenizer):
-        raise ConfigError(f"draft={spec}: its tokenizer ({describe_tokenizer(draft_tokenizer)}) is not the target's "
-                          f"({describe_tokenizer(tokenizer)}); a draft must share the target's tokenizer")
-    return ModelDraft(model.eval())
-
-
-def model_config(values):
-    """The GPTConfig of a dict that holds every GPTConfig key (a script's parsed values); a config that
-    cannot work is a ConfigError, reported like any other bad key."""
-    try:
-        return GPTConfig(**{k: values[k] for k in MODEL_KEYS})
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+def tokens_per_step(c):
+    """Tokens one optimizer step trains on, over all processes: from a training config (or a saved one)."""
+    return c.batch_size * c.block_size * c.gradient_accumulation_steps
 
 
 def read_metrics(out_dir):
@@ -141,6 +126,7 @@ class RunLock:
         self.fd = None
 
     def acquire(self):
+        self.took_over = None  # what a run that died without releasing the lock had written
         try:
             import fcntl
         except ImportError:  # Windows: no advisory locks; run without one
@@ -163,7 +149,7 @@ class RunLock:
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                        "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
-        self.took_over = stale or None  # what a run that died without releasing it had written
+        self.took_over = stale or None
         # temporary files of checkpoint writes that a killed run left half-done
         for tmp in glob.glob(os.path.join(os.path.dirname(self.path), "*.tmp.*")):
             os.remove(tmp)

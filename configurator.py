@@ -1,10 +1,13 @@
 """
-Strict, typed configuration shared by train.py, sample.py, bench.py and ablate.py.
+Strict, typed configuration and the command-line entry point every script shares.
 
 Defaults live in dataclasses (one typed place; the comment after a field is its --help text). Then, in
-order: config files (Python files that assign keys) and --key=value overrides. An unknown key, a value of
-the wrong type or a value outside its choices is a ConfigError, which the scripts turn into exit status 2
-with the message, so a typo never trains the wrong model.
+order: config files (Python files that assign keys) and --key=value overrides; the script gets an instance
+of its dataclass (c.learning_rate). An unknown key, a value of the wrong type or a value outside its
+choices is a ConfigError, so a typo never trains the wrong model.
+
+Every error a user can cause and fix (a bad key, a missing dataset, a corrupt checkpoint, weights that
+cannot be had) is a UserError; cli_main turns one into a single line on stderr and exit status 2.
 """
 
 import difflib
@@ -17,7 +20,11 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Optional
 
 
-class ConfigError(ValueError):
+class UserError(ValueError):
+    """Bad input the user can fix: one line that says what was wrong and what to do, exit status 2."""
+
+
+class ConfigError(UserError):
     pass
 
 
@@ -31,13 +38,18 @@ class Key:
     choices: Optional[tuple] = None
 
 
-def keys_of(cls, choices=None, defaults=None, helps=None):
-    """Keys from a dataclass: types from its annotations, help from the comment after each field."""
+def keys_of(cls, choices=None, defaults=None, helps=None, base=None):
+    """Keys from a dataclass: types from its annotations, help from the comment after each field. A class
+    that extends base (model.ModelKeys) lists its own keys first, then base's."""
     hints = typing.get_type_hints(cls)
-    comments = field_comments(cls)
+    comments = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        comments.update(field_comments(klass))
     choices, defaults, helps = choices or {}, defaults or {}, helps or {}
+    inherited = {f.name for f in fields(base)} if base else set()
+    ordered = [f for f in fields(cls) if f.name not in inherited] + [f for f in fields(cls) if f.name in inherited]
     keys = []
-    for f in fields(cls):
+    for f in ordered:
         base, optional = unwrap_optional(hints[f.name])
         default = defaults.get(f.name, f.default if f.default is not MISSING else None)
         keys.append(Key(f.name, base, optional, default, helps.get(f.name, comments.get(f.name, "")),
@@ -173,15 +185,40 @@ def help_text(keys, usage, about):
     return "\n".join(lines)
 
 
-def parse_or_exit(keys, argv, usage, about, renamed=None):
-    """For scripts: --help prints every key and exits 0; a ConfigError exits 2 with its message."""
+def parse_config(cls, argv, usage, about, keys=None, renamed=None):
+    """A script's argv -> (an instance of cls, the names a file or the command line set). --help prints
+    every key (keys: default keys_of(cls)) and exits 0; anything wrong is a ConfigError."""
+    keys = keys_of(cls) if keys is None else keys
     if "-h" in argv or "--help" in argv:
         print(help_text(keys, usage, about))
         sys.exit(0)
+    values, explicit = parse(keys, argv, renamed)
+    return cls(**values), explicit
+
+
+def checked(build, *args, **kwargs):
+    """build(*args, **kwargs) where a ValueError is a library's verdict on values the user chose (a model
+    config, sampling settings, a weight format): it becomes a ConfigError, with the same message."""
     try:
-        return parse(keys, argv, renamed)
-    except ConfigError as e:
+        return build(*args, **kwargs)
+    except UserError:
+        raise
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def cli_main(command, argv=None):
+    """Runs command(argv) (argv: sys.argv[1:] by default) as every script's main does: a UserError ends it
+    with one line on stderr and exit status 2, Ctrl-C with one line and 130 (a script that has more to
+    say about an interruption catches KeyboardInterrupt itself); returns what command returns."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return command(argv)
+    except UserError as e:
         fail(e)
+    except KeyboardInterrupt:
+        print("\nerror: interrupted", file=sys.stderr)
+        sys.exit(130)
 
 
 def fail(message):

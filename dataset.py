@@ -16,6 +16,8 @@ import os
 import numpy as np
 import torch
 
+from configurator import UserError
+
 MAGIC = b"GPTTOKEN"
 VERSION = 1
 HEADER = np.dtype(
@@ -27,7 +29,7 @@ assert HEADER.itemsize == 64
 ROOT = os.path.dirname(os.path.abspath(__file__))  # the project: data/NAME are its prepared datasets
 
 
-class DataError(ValueError):
+class DataError(UserError):
     pass
 
 
@@ -48,6 +50,11 @@ def atomic_write(path, write):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def write_json(path, obj):
+    """obj as indented JSON, atomically (eval.py's and bench.py's --json): nothing half-written."""
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2, default=str).encode()))
 
 
 def write_tokens(path, tokens, vocab_size):

@@ -19,22 +19,20 @@ data comes from the Hugging Face Hub (or its local cache); offline, write the ta
 local data files and pass its folder with --include_path.
 """
 
-import json
 import math
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from checkpoint import CheckpointError, model_and_tokenizer
-from configurator import ConfigError, fail, keys_of, parse_or_exit
-from dataset import DataError, atomic_write, hub_offline, hub_reachable, open_split, read_meta, resolve_dataset
+from checkpoint import load_any
+from configurator import ConfigError, cli_main, keys_of, parse_config
+from dataset import DataError, hub_offline, hub_reachable, open_split, read_meta, resolve_dataset, write_json
 from device import COMPUTE_DTYPES, DEVICES, autocast, pick_device, pick_dtype
-from hf import PretrainedError
 
 
 @dataclass
@@ -105,46 +103,50 @@ def score(model, tokens, stride, batch_size, device, context):
 
 def load_tokens(c, tokenizer, meta):
     """The token ids to score, from --text or a dataset split (whose tokenizer must be the checkpoint's)."""
-    if c["text"]:
+    if c.text:
         try:
-            with open(c["text"], encoding="utf-8") as f:
+            with open(c.text, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"text={c['text']}: cannot read it as UTF-8 text ({e})") from None
+            raise ConfigError(f"text={c.text}: cannot read it as UTF-8 text ({e})") from None
         return torch.tensor(tokenizer.encode(text), dtype=torch.long)
-    data_dir = resolve_dataset(c["dataset"])
+    data_dir = resolve_dataset(c.dataset)
     data_meta = read_meta(data_dir)
     if data_meta["tokenizer"] != meta:
-        raise DataError(f"dataset {c['dataset']!r} uses tokenizer {data_meta['tokenizer']}, but the checkpoint was "
+        raise DataError(f"dataset {c.dataset!r} uses tokenizer {data_meta['tokenizer']}, but the checkpoint was "
                         f"trained with {meta}; score it on text its tokenizer covers (--text) or its own dataset")
-    files = open_split(data_dir, c["split"], data_meta["vocab_size"])
+    files = open_split(data_dir, c.split, data_meta["vocab_size"])
     return torch.from_numpy(np.concatenate([f.tokens for f in files]).astype(np.int64))
+
+
+def load_model_of(c):
+    return load_any(c.out_dir if c.init_from == "resume" else c.init_from)
 
 
 def evaluate(c):
     """Loss, perplexity and bits per byte of a whole split or text file."""
-    model, tokenizer, state = model_and_tokenizer(c["init_from"], c["out_dir"])
+    model, tokenizer, state = load_model_of(c)
     if not hasattr(tokenizer, "token_bytes"):
-        raise DataError(f"init_from={c['init_from']}: its tokenizer.json gives no per-token byte counts, which bits "
+        raise DataError(f"init_from={c.init_from}: its tokenizer.json gives no per-token byte counts, which bits "
                         "per byte needs; score it with --tasks, or a GPT-2 (tiktoken) or char model")
-    if state is None and not (c["text"] or c["dataset"]):
-        raise ConfigError(f"init_from={c['init_from']} has no training dataset to default to: give --text=FILE or --dataset=NAME")
+    if state is None and not (c.text or c.dataset):
+        raise ConfigError(f"init_from={c.init_from} has no training dataset to default to: give --text=FILE or --dataset=NAME")
     meta = state["tokenizer"] if state else tokenizer.meta()
-    c = {**c, "dataset": c["dataset"] or (state and state["train_config"]["dataset"])}
-    stride = c["stride"] or model.config.block_size
+    c = replace(c, dataset=c.dataset or (state and state["train_config"]["dataset"]))
+    stride = c.stride or model.config.block_size
     if not 1 <= stride <= model.config.block_size:
         raise ConfigError(f"stride={stride} must be in [1, block_size={model.config.block_size}]")
     tokens = load_tokens(c, tokenizer, meta)
     if len(tokens) < 2:
         raise DataError("fewer than 2 tokens: nothing to score")
-    device = pick_device(c["device"])
-    dtype = pick_dtype(c["dtype"], torch.device(device).type)
+    device = pick_device(c.device)
+    dtype = pick_dtype(c.dtype, torch.device(device).type)
     model = model.to(device).eval()
-    losses, scored = score(model, tokens, stride, c["batch_size"], device, autocast(torch.device(device).type, dtype))
+    losses, scored = score(model, tokens, stride, c.batch_size, device, autocast(torch.device(device).type, dtype))
     nats = losses.sum().item()
     n_bytes = int(torch.tensor(tokenizer.token_bytes(), dtype=torch.long)[scored].sum())
     return {
-        "source": c["text"] or f"{c['dataset']}/{c['split']}", "tokenizer": meta.get("kind"), "tokens": len(scored),
+        "source": c.text or f"{c.dataset}/{c.split}", "tokenizer": meta.get("kind"), "tokens": len(scored),
         "bytes": n_bytes, "loss": nats / len(scored), "perplexity": math.exp(nats / len(scored)),
         "bits_per_byte": nats / math.log(2) / n_bytes if n_bytes else None, "block_size": model.config.block_size,
         "stride": stride, "dtype": dtype,
@@ -171,45 +173,40 @@ def import_harness():
 
 def run_tasks(c):
     """lm-evaluation-harness's results dict for --tasks."""
-    tasks = [t.strip() for t in c["tasks"].split(",") if t.strip()]
-    if c["limit"] < 0:
-        raise ConfigError(f"limit={c['limit']} must be >= 0 (0 = every document)")
-    if c["num_fewshot"] is not None and c["num_fewshot"] < 0:
-        raise ConfigError(f"num_fewshot={c['num_fewshot']} must be >= 0, or None for each task's default")
-    if c["include_path"] and not os.path.isdir(c["include_path"]):
-        raise ConfigError(f"include_path={c['include_path']}: not a folder (it should hold task YAML files)")
+    tasks = [t.strip() for t in c.tasks.split(",") if t.strip()]
+    if c.limit < 0:
+        raise ConfigError(f"limit={c.limit} must be >= 0 (0 = every document)")
+    if c.num_fewshot is not None and c.num_fewshot < 0:
+        raise ConfigError(f"num_fewshot={c.num_fewshot} must be >= 0, or None for each task's default")
+    if c.include_path and not os.path.isdir(c.include_path):
+        raise ConfigError(f"include_path={c.include_path}: not a folder (it should hold task YAML files)")
     harness = import_harness()
-    model, tokenizer, _ = model_and_tokenizer(c["init_from"], c["out_dir"])
-    device = pick_device(c["device"])
-    dtype = pick_dtype(c["dtype"], torch.device(device).type)
-    lm = harness.GPTHarness(model.to(device).eval(), tokenizer, device, c["batch_size"],
+    model, tokenizer, _ = load_model_of(c)
+    device = pick_device(c.device)
+    dtype = pick_dtype(c.dtype, torch.device(device).type)
+    lm = harness.GPTHarness(model.to(device).eval(), tokenizer, device, c.batch_size,
                             autocast(torch.device(device).type, dtype))
-    limit = None if c["limit"] == 0 else int(c["limit"]) if c["limit"] >= 1 else c["limit"]
-    return harness.run_tasks(lm, tasks, limit, c["num_fewshot"], c["include_path"] or None)
-
-
-def write_json(path, result):
-    atomic_write(path, lambda f: f.write(json.dumps(result, indent=2, default=str).encode()))  # nothing half-written
+    limit = None if c.limit == 0 else int(c.limit) if c.limit >= 1 else c.limit
+    return harness.run_tasks(lm, tasks, limit, c.num_fewshot, c.include_path or None)
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    c, _ = parse_or_exit(keys_of(EvalConfig, EVAL_CHOICES), argv, "python eval.py --out_dir=DIR [--key=value ...]",
-                         __doc__.strip().splitlines()[0])
-    try:
-        if c["batch_size"] < 1:
-            raise ConfigError(f"batch_size={c['batch_size']} must be >= 1")
-        result = run_tasks(c) if c["tasks"] else evaluate(c)
-    except (ConfigError, DataError, CheckpointError, PretrainedError) as e:
-        fail(e)
-    if c["tasks"]:
-        print(result["table"])
-    else:
-        print(f"{result['source']}: {result['tokens']:,} tokens, {result['bytes']:,} bytes | loss {result['loss']:.4f} "
-              f"nats/token, perplexity {result['perplexity']:.3f}, {result['bits_per_byte']:.4f} bits per byte")
-    if c["json"]:
-        write_json(c["json"], result)
-    return result
+    def command(argv):
+        c, _ = parse_config(EvalConfig, argv, "python eval.py --out_dir=DIR [--key=value ...]",
+                            __doc__.strip().splitlines()[0], keys_of(EvalConfig, EVAL_CHOICES))
+        if c.batch_size < 1:
+            raise ConfigError(f"batch_size={c.batch_size} must be >= 1")
+        result = run_tasks(c) if c.tasks else evaluate(c)
+        if c.tasks:
+            print(result["table"])
+        else:
+            print(f"{result['source']}: {result['tokens']:,} tokens, {result['bytes']:,} bytes | loss {result['loss']:.4f} "
+                  f"nats/token, perplexity {result['perplexity']:.3f}, {result['bits_per_byte']:.4f} bits per byte")
+        if c.json:
+            write_json(c.json, result)
+        return result
+
+    return cli_main(command, argv)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,10 @@ GPT-2 BPE models get tokenizer.json, vocab.json and merges.txt that encode exact
 character models a tokenizer.json over their characters.
 """
 
-import sys
 from dataclasses import dataclass
 
-from checkpoint import CheckpointError, load_model
-from configurator import fail, keys_of, parse_or_exit
+from checkpoint import load_any
+from configurator import ConfigError, cli_main, parse_config
 from hf import save_tokenizer
 
 
@@ -30,16 +29,17 @@ class ExportConfig:
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    c, _ = parse_or_exit(keys_of(ExportConfig), argv, "python export.py --out_dir=DIR --hf_dir=DIR",
-                         __doc__.strip().splitlines()[0])
-    try:
-        model, state = load_model(c["out_dir"])
-        model.save_pretrained(c["hf_dir"])
-        note = save_tokenizer(state["tokenizer"], c["hf_dir"], model.config.block_size)
-    except (CheckpointError, ValueError) as e:
-        fail(e)
-    print(f"wrote {c['hf_dir']} ({model.get_num_params():,} parameters); {note}")
+    def command(argv):
+        c, _ = parse_config(ExportConfig, argv, "python export.py --out_dir=DIR --hf_dir=DIR",
+                            __doc__.strip().splitlines()[0])
+        model, _, state = load_any(c.out_dir)
+        if state is None:
+            raise ConfigError(f"out_dir={c.out_dir} is a Hugging Face model already; export takes a training run's out_dir")
+        model.save_pretrained(c.hf_dir)
+        note = save_tokenizer(state["tokenizer"], c.hf_dir, model.config.block_size)
+        print(f"wrote {c.hf_dir} ({model.get_num_params():,} parameters); {note}")
+
+    cli_main(command, argv)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 
-from configurator import ConfigError
+from configurator import ConfigError, checked
+from model import Sampling
 
 
 class GPTHarness(TemplateLM):
@@ -131,8 +132,9 @@ class GPTHarness(TemplateLM):
         ids = self.tok_encode(context, left_truncate_len=self.max_length - max_gen_toks) or [self.prefix_token_id]
         new = []
         with self.context:
-            for column in self.model.stream(torch.tensor([ids], device=self._device), max_gen_toks, temperature,
-                                            kwargs.get("top_k"), kwargs.get("top_p"), eos_token_id=self.eot_token_id):
+            sampling = checked(Sampling, temperature, kwargs.get("top_k"), kwargs.get("top_p"))
+            for column in self.model.stream(torch.tensor([ids], device=self._device), max_gen_toks, sampling,
+                                            eos_token_id=self.eot_token_id):
                 token = int(column[0, 0])
                 if token == self.eot_token_id:
                     break

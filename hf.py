@@ -9,11 +9,12 @@ import os
 
 import torch
 
+from configurator import UserError
 from dataset import DataError, HFTokenizer, TiktokenTokenizer
 from model import GPTConfig
 
 
-class PretrainedError(ValueError):
+class PretrainedError(UserError):
     """Weights that cannot be had or do not fit: one line for the user, no traceback."""
 
 
@@ -115,7 +116,7 @@ def load_hf_state_dict(directory):
     path = os.path.join(directory, "pytorch_model.bin")
     if os.path.exists(path):
         return torch.load(path, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"{directory}: no model.safetensors or pytorch_model.bin (sharded checkpoints are not supported)")
+    raise PretrainedError(f"{directory}: no model.safetensors or pytorch_model.bin (sharded checkpoints are not supported)")
 
 
 def family(config):

@@ -8,17 +8,17 @@ Features (each chosen once, in GPTConfig):
 - grouped-query attention (n_kv_head < n_head), through F.scaled_dot_product_attention,
   with an explicit masked-softmax path kept as the reference
 - tied or untied LM head, GPT-2 initialisation, z-loss
-- prefill() once, then decode_step() per token with a preallocated KV cache; generate() and stream()
-  around them: temperature, top-k, top-p, stop token, one generator per row
+- forward_cached(): the one way through a preallocated KV cache (prompt, then a token per step);
+  generate() and stream() around it: temperature, top-k, top-p, stop token, one generator per row
 
 Reads top to bottom: config, norms, positions, attention, MLPs, block, KV cache, sampling, model.
 Elsewhere: Hugging Face conversion (hf.py, behind from_pretrained/save_pretrained), inference weight
-formats (quantize.py), optimizers (optim.py), device and precision choices (device.py).
+formats (quantize.py), speculative decoding (speculative.py), optimizers (optim.py), device and
+precision choices (device.py).
 """
 
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -31,7 +31,10 @@ import torch.nn.functional as F
 
 
 @dataclass
-class GPTConfig:
+class ModelKeys:
+    """Every architecture key with its type and default: GPTConfig checks and completes them; the
+    configs of train.py and bench.py extend this class, so every key here is one of theirs."""
+
     block_size: int = 1024  # longest context the model sees
     vocab_size: int = 50304  # GPT-2's 50257 rounded up to a multiple of 64
     n_layer: int = 12
@@ -50,6 +53,11 @@ class GPTConfig:
     tie_embeddings: bool = True  # LM head shares the token embedding matrix
     z_loss: float = 0.0  # coefficient of mean(logsumexp(logits)^2) added to the loss; 0 = off
     attn_impl: str = "sdpa"  # sdpa | explicit (the reference masked softmax)
+
+
+@dataclass
+class GPTConfig(ModelKeys):
+    """The model's keys, checked (ValueError naming the key) and completed (n_kv_head, mlp_hidden)."""
 
     def __post_init__(self):
         for name, allowed in MODEL_CHOICES.items():
@@ -82,7 +90,13 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.mlp_hidden={self.mlp_hidden} must be a positive integer")
 
 
-MODEL_KEYS = [f.name for f in fields(GPTConfig)]  # every field is a key of train.py and bench.py
+MODEL_KEYS = [f.name for f in fields(ModelKeys)]
+
+
+def model_config(keys):
+    """The GPTConfig of an object that holds every model key (a script's config); ValueError when the
+    values cannot make a model."""
+    return GPTConfig(**{k: getattr(keys, k) for k in MODEL_KEYS})
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -261,31 +275,6 @@ def attention_sdpa(q, k, v, bias, start, dropout_p=0.0):
 ATTENTION = {"sdpa": attention_sdpa, "explicit": attention_explicit}
 
 
-@contextmanager
-def recording_max_attention_logit(model):
-    """Yields a list; every attention call inside the block appends its largest pre-softmax score
-    (scaled q.k plus any ALiBi bias, causal positions only). Diagnoses attention-logit growth
-    (Wortsman et al. 2023) without touching the attention code itself."""
-    found = []
-
-    def recorder(attend):
-        def attend_and_record(q, k, v, bias, start, dropout_p=0.0):
-            found.append(attention_scores(q.float(), k.float(), bias, start).max())
-            return attend(q, k, v, bias, start, dropout_p)
-
-        return attend_and_record
-
-    attentions = [block.attn for block in model.blocks]
-    originals = [attn.attend for attn in attentions]
-    for attn, attend in zip(attentions, originals):
-        attn.attend = recorder(attend)
-    try:
-        yield found
-    finally:
-        for attn, attend in zip(attentions, originals):
-            attn.attend = attend
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config, layer_idx):
         super().__init__()
@@ -402,24 +391,63 @@ class Block(nn.Module):
 
 class KVCache:
     """Keys and values of every layer, preallocated for max_len positions on the first write (which
-    also fixes their dtype: the dtype the model computes in, autocast included)."""
+    also fixes their dtype: the dtype the model computes in, autocast included). Each layer writes and
+    reads its slot through update(); the model advances the length once every layer has written;
+    rewind(n) keeps the first n positions (speculative decoding drops rejected drafts so). Another kind of
+    cache (a rolling window, a recurrent state) stands in for this one by offering the same operations."""
 
     def __init__(self, n_layer, max_len):
         self.n_layer, self.max_len = n_layer, max_len
         self.k = self.v = None
-        self.length = 0  # positions filled; advanced by GPT.forward after all layers
+        self._length = 0
+
+    @property
+    def length(self):
+        """Positions filled: the next token's position."""
+        return self._length
 
     def update(self, layer, k, v):
         if self.k is None:
             B, H, _, D = k.shape
             self.k = k.new_empty(self.n_layer, B, H, self.max_len, D)  # only written positions are read
             self.v = v.new_empty(self.n_layer, B, H, self.max_len, D)
-        end = self.length + k.size(2)
+        end = self._length + k.size(2)
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; writing up to {end}")
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
+        self.k[layer, :, :, self._length : end] = k
+        self.v[layer, :, :, self._length : end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def advance(self, n):
+        self._length += n
+
+    def rewind(self, n):
+        """Keeps the first n positions; later writes overwrite the rest."""
+        if not 0 <= n <= self._length:
+            raise ValueError(f"cannot rewind a KV cache of {self._length} positions to {n}")
+        self._length = n
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the next token is drawn: temperature 0 is greedy; top_k keeps the k most likely tokens, top_p
+    the smallest set whose probability reaches p (None: no filter)."""
+
+    temperature: float = 1.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k={self.top_k} must be >= 1, or None for no top-k filter")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p} must be in (0, 1], or None for no nucleus filter")
+
+    def probs(self, logits):
+        """The distribution a token is drawn from when temperature > 0."""
+        return F.softmax(filter_logits(logits.float() / self.temperature, self.top_k, self.top_p), dim=-1)
 
 
 def filter_logits(logits, top_k=None, top_p=None):
@@ -438,141 +466,20 @@ def filter_logits(logits, top_k=None, top_p=None):
     return logits
 
 
-def sample_next(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    """(B, vocab) logits -> (B, 1) token ids. temperature 0 is greedy. generator: None, one
-    torch.Generator for the batch, or a list with one per row (row i then draws exactly what a batch of
-    one with that generator would)."""
-    if temperature == 0:
+def sample_next(logits, sampling, generator=None):
+    """(B, vocab) logits -> (B, 1) token ids. generator: None, one torch.Generator for the batch, or a
+    list with one per row (row i then draws exactly what a batch of one with that generator would)."""
+    if sampling.temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    probs = token_probs(logits, temperature, top_k, top_p)
-    if isinstance(generator, (list, tuple)):
+    probs = sampling.probs(logits)
+    if isinstance(generator, list):
         return torch.cat([torch.multinomial(p[None], 1, generator=g) for p, g in zip(probs, generator)])
     return torch.multinomial(probs, 1, generator=generator)
 
 
-def token_probs(logits, temperature, top_k=None, top_p=None):
-    """The distribution sample_next draws from when temperature > 0."""
-    return F.softmax(filter_logits(logits.float() / temperature, top_k, top_p), dim=-1)
-
-
-def check_sampling_args(max_new_tokens, temperature, top_k, top_p):
+def check_max_new_tokens(max_new_tokens):
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k={top_k} must be >= 1, or None for no top-k filter")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p={top_p} must be in (0, 1], or None for no nucleus filter")
-
-
-def check_num_draft(num_draft):
-    if num_draft < 1:
-        raise ValueError(f"num_draft={num_draft} must be >= 1 (tokens the draft proposes per step)")
-
-
-# Speculative decoding: a draft proposes k tokens, one forward of the target scores them all, and
-# Leviathan et al. (2023) / Chen et al. (2023)'s rule keeps a prefix, so the output is distributed exactly
-# as the target's own samples (and equals its greedy output at temperature 0).
-
-
-def accept_drafts(logits, drafts, q, temperature, top_k=None, top_p=None, generator=None):
-    """logits (k+1, vocab): the target's at each draft position and one after; drafts (k,); q (k, vocab):
-    the draft's distributions, or None for a draft that proposes with certainty (prompt lookup). Returns
-    the new tokens (a list): the accepted drafts, then one token of the target's: at the first rejection,
-    drawn from norm(max(0, p - q)); after k acceptances, a bonus drawn from p."""
-    drafts = drafts.tolist()
-    if temperature == 0:  # greedy: keep drafts while they are the target's argmax
-        best = logits.argmax(dim=-1).tolist()
-        n = next((i for i, d in enumerate(drafts) if d != best[i]), len(drafts))
-        return drafts[:n] + [best[n]]
-    p = token_probs(logits, temperature, top_k, top_p)
-    for i, d in enumerate(drafts):
-        q_d = 1.0 if q is None else float(q[i, d])
-        if float(torch.rand(1, generator=generator, device=p.device)) * q_d < float(p[i, d]):
-            continue  # accepted with probability min(1, p(d) / q(d))
-        residual = p[i].clone()
-        if q is None:
-            residual[d] = 0
-        else:
-            residual = (residual - q[i]).clamp_min(0)
-        if float(residual.sum()) <= 0:  # p <= q everywhere only when p == q, where d is always accepted
-            residual = p[i]
-        return drafts[:i] + [int(torch.multinomial(residual, 1, generator=generator))]
-    return drafts + [int(torch.multinomial(p[-1], 1, generator=generator))]
-
-
-class Draft:
-    """What stream() asks of a draft: check(config), then propose(seq, k, ...) -> (tokens (1, <= k), their
-    distributions or None). stream() counts target forwards that checked a proposal, proposed and accepted
-    tokens here (bench.py reports them)."""
-
-    checks = proposed = accepted = 0
-    default_num_draft = 4
-
-    def check(self, config):
-        pass
-
-
-class NgramDraft(Draft):
-    """Prompt lookup: proposes the k tokens that followed the latest earlier occurrence of the sequence's
-    last n tokens (n = max_ngram, then shorter) that has k tokens after it, else the latest occurrence's
-    fewer; no second model. Its proposals are certain (q is None)."""
-
-    default_num_draft = 4  # the fastest on the code prompts of docs/benchmarks.md
-
-    def __init__(self, max_ngram=3):
-        self.max_ngram = max_ngram
-
-    def propose(self, seq, k, temperature, top_k, top_p, generator):
-        s = seq[0]
-        for n in range(min(self.max_ngram, len(s) - 1), 0, -1):
-            earlier = s[:-1].unfold(0, n, 1)  # every n-gram that ends before the last token
-            ends = (earlier == s[-n:]).all(dim=1).nonzero()[:, 0] + n  # where each occurrence's successors begin
-            if len(ends):
-                whole = ends[ends + k <= len(s)]  # in a run (of spaces, say) the latest occurrence has one successor
-                begin = int(whole[-1] if len(whole) else ends[-1])
-                return s[begin : begin + k][None], None
-        return s[:0][None], None
-
-
-class ModelDraft(Draft):
-    """A smaller GPT over the same vocabulary: samples k tokens (greedy at temperature 0) with its own KV
-    cache, which keeps whatever prefix still matches the target's sequence between calls."""
-
-    default_num_draft = 2  # a step checking k tokens costs more than one (docs/benchmarks.md): k = 1-2 paid best
-
-    def __init__(self, model):
-        self.model, self.cache, self.fed = model, None, None
-
-    def check(self, config):
-        if self.model.config.vocab_size != config.vocab_size:
-            raise ValueError(f"the draft's vocabulary has {self.model.config.vocab_size} tokens and the target's "
-                             f"{config.vocab_size}; a draft must share the target's tokenizer")
-
-    @torch.no_grad()
-    def propose(self, seq, k, temperature, top_k, top_p, generator):
-        model, L = self.model, seq.size(1)
-        block_size = model.config.block_size
-        if self.cache is None:
-            self.cache = KVCache(model.config.n_layer, block_size)
-            self.fed = seq[:, :0]
-        m = min(self.fed.size(1), L - 1)  # keep the cached tokens still in the sequence; feed at least one
-        self.cache.length = int((self.fed[0, :m] == seq[0, :m]).cumprod(0).sum())
-        seq = torch.cat([seq, seq.new_empty(1, k)], dim=1)
-        qs = []
-        for length in range(L, L + k):
-            if length > block_size:  # past the draft's context: recompute its window, as generate does
-                logits = model.prefill(seq[:, length - block_size : length])
-            else:
-                logits = model.prefill(seq[:, self.cache.length : length], self.cache)
-            if temperature == 0:
-                seq[0, length] = logits[0].argmax()
-            else:
-                qs.append(token_probs(logits[0], temperature, top_k, top_p))
-                seq[0, length] = torch.multinomial(qs[-1], 1, generator=generator)[0]
-        self.fed = seq[:, : self.cache.length]
-        return seq[:, L:], torch.stack(qs) if qs else None
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -647,105 +554,59 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, self.positions, start, bias, kv_cache)
         if kv_cache is not None:
-            kv_cache.length += T
+            kv_cache.advance(T)
         return self.norm_f(x)
 
-    def prefill(self, idx, kv_cache=None):
-        """The prompt idx (B, T), written into an empty kv_cache (or, without one, just run) -> the logits
-        of its last position (B, vocab): the head runs on that position only."""
-        return self.lm_head(self.hidden_states(idx, kv_cache)[:, -1])
+    def forward_cached(self, idx, cache=None, last=1):
+        """idx (B, T) continuing what cache holds (without a cache: a whole sequence) -> the logits of its
+        last `last` positions (B, last, vocab), the head run on those only; the cache grows by T. The one
+        way through the cache: a prefill, a decode step, the check of a draft's proposals, a draft's own."""
+        return self.lm_head(self.hidden_states(idx, cache)[:, -last:])
 
-    def decode_step(self, token, kv_cache):
-        """token (B, 1) continuing the cached sequence -> its logits (B, vocab); the cache grows by one."""
-        return self.lm_head(self.hidden_states(token, kv_cache)[:, -1])
+    def next_logits(self, seq, length, cache=None):
+        """The logits (B, vocab) of the token after seq[:, :length]: the tokens the cache has not seen yet
+        go through it (the whole prompt first, then one per step), or, without a cache or once the sequence
+        has outgrown block_size, the last block_size tokens run afresh. Past block_size every cached key
+        is stale (each depended on tokens that have left the window), so both ways compute the same."""
+        block_size = self.config.block_size
+        if cache is None or length > block_size:
+            return self.forward_cached(seq[:, max(0, length - block_size) : length])[:, -1]
+        return self.forward_cached(seq[:, cache.length : length], cache)[:, -1]
 
     @torch.no_grad()
-    def generate(
-        self,
-        idx,
-        max_new_tokens,
-        temperature=1.0,
-        top_k=None,
-        top_p=None,
-        eos_token_id=None,
-        use_cache=True,
-        generator=None,
-        draft=None,
-        num_draft=None,
-    ):
+    def generate(self, idx, max_new_tokens, sampling=Sampling(), eos_token_id=None, use_cache=True, generator=None):
         """Continues each row of idx (B, T; rows of equal length) by up to max_new_tokens tokens and
-        returns (B, T + new). Call model.eval() first, or dropout stays on.
-
-        With the cache, the prompt is run once (prefill) and then one token per step. Without it, each
-        step recomputes the last block_size tokens. Once the sequence outgrows block_size, every cached
-        key is stale (each depended on tokens that fall out of the window), so the cached path does
-        exactly what the uncached one does: recompute the last block_size tokens every step. Tokens are
-        the same either way.
+        returns (B, T + new). Call model.eval() first, or dropout stays on. With the cache, the prompt runs
+        once and then one token per step; without it, each step recomputes the last block_size tokens
+        (next_logits). Tokens are the same either way.
 
         A row that emits eos_token_id stops growing: later positions repeat eos_token_id. Generation ends
         early when every row has stopped, so `new` can be less than max_new_tokens.
 
         generator: None, a torch.Generator, or a list of one per row (row i then draws exactly the tokens
-        a batch of one with that generator would).
-
-        draft: a NgramDraft or ModelDraft for speculative decoding, which proposes up to num_draft tokens
-        (None: the draft's default_num_draft) that one forward of this model checks (see stream). Rows then run one at a time, each through
-        its own cache, since rows accept different numbers of tokens."""
-        if draft is not None and idx.size(0) > 1:
-            rows = [self.generate(idx[i : i + 1], max_new_tokens, temperature, top_k, top_p, eos_token_id, use_cache,
-                                  generator[i : i + 1] if isinstance(generator, (list, tuple)) else generator,
-                                  draft, num_draft) for i in range(idx.size(0))]  # fmt: skip
-            width = max(row.size(1) for row in rows)  # rows that stopped early end in eos: pad with it
-            return torch.cat([F.pad(row, (0, width - row.size(1)), value=eos_token_id or 0) for row in rows])
-        columns = list(self.stream(idx, max_new_tokens, temperature, top_k, top_p, eos_token_id, use_cache, generator,
-                                   draft, num_draft))  # fmt: skip
-        return torch.cat([idx, *columns], dim=1)
+        a batch of one with that generator would). Speculative decoding: speculative.generate."""
+        return torch.cat([idx, *self.stream(idx, max_new_tokens, sampling, eos_token_id, use_cache, generator)], dim=1)
 
     @torch.no_grad()
-    def stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, eos_token_id=None,
-               use_cache=True, generator=None, draft=None, num_draft=None):
+    def stream(self, idx, max_new_tokens, sampling=Sampling(), eos_token_id=None, use_cache=True, generator=None,
+               step=None):
         """generate() one step at a time: yields each new (B, 1) column of tokens as soon as it exists.
 
-        With a draft (one row only): each step the draft proposes k = num_draft tokens (fewer near
-        max_new_tokens or block_size; the n-gram draft may find fewer or none), one forward of this model
-        over the cache scores all of them, accept_drafts keeps a prefix and adds one token of this model's,
-        and the cache rolls back to the kept length. A step with no proposal is an ordinary step."""
-        check_sampling_args(max_new_tokens, temperature, top_k, top_p)
+        step: None, or step(seq, length, end, cache) -> (B, n) tokens to append after seq[:, :length], or
+        None for an ordinary step; it may return several tokens at once (speculative.py's drafts do) and
+        leaves the cache holding the sequence up to, at most, the new tokens' last."""
+        check_max_new_tokens(max_new_tokens)
+        generator = list(generator) if isinstance(generator, (list, tuple)) else generator
         B, T = idx.shape
-        if draft is not None:
-            num_draft = draft.default_num_draft if num_draft is None else num_draft
-            check_num_draft(num_draft)
-            if B != 1 or not use_cache:
-                raise ValueError("speculative decoding streams one row with the KV cache; generate() runs a batch row by row")
-            draft.check(self.config)
-        block_size = self.config.block_size
         seq = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
         seq[:, :T] = idx
-        cache = KVCache(self.config.n_layer, block_size) if use_cache else None
+        cache = KVCache(self.config.n_layer, self.config.block_size) if use_cache else None
         finished = torch.zeros(B, 1, dtype=torch.bool, device=idx.device)
         length, end = T, T + max_new_tokens
         while length < end:
-            k = 0 if draft is None else min(num_draft, end - length - 1, block_size - length)
-            drafts = None
-            if k > 0:
-                one = generator[0] if isinstance(generator, (list, tuple)) else generator
-                drafts, q = draft.propose(seq[:, :length], k, temperature, top_k, top_p, one)
-            if drafts is not None and drafts.size(1) > 0:
-                k = drafts.size(1)
-                seq[:, length : length + k] = drafts
-                logits = self.lm_head(self.hidden_states(seq[:, cache.length : length + k], cache)[0, -(k + 1) :])
-                new = accept_drafts(logits, drafts[0], q, temperature, top_k, top_p, one)
-                cache.length = length + len(new) - 1  # the rejected drafts' keys and values are dropped
-                draft.checks, draft.proposed, draft.accepted = draft.checks + 1, draft.proposed + k, draft.accepted + len(new) - 1
-                tokens = torch.tensor([new], dtype=idx.dtype, device=idx.device)
-            else:
-                if cache is None or length > block_size:  # recompute the window (see generate)
-                    logits = self.prefill(seq[:, max(0, length - block_size) : length])
-                elif cache.length == 0:
-                    logits = self.prefill(seq[:, :length], cache)
-                else:
-                    logits = self.decode_step(seq[:, length - 1 : length], cache)
-                tokens = sample_next(logits, temperature, top_k, top_p, generator)
+            tokens = None if step is None else step(seq, length, end, cache)
+            if tokens is None:
+                tokens = sample_next(self.next_logits(seq, length, cache), sampling, generator)
             for token in tokens.split(1, dim=1):
                 if eos_token_id is not None:
                     token = token.masked_fill(finished, eos_token_id)

@@ -82,14 +82,14 @@ def lr_scale(adjust_lr_fn, shape):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Builders: (model, c, device_type) -> a list of optimizers. c holds the training config's keys
-# (learning_rate, weight_decay, beta1, beta2, muon_momentum).
+# Builders: (model, c, device_type) -> a list of optimizers. c has the training config's attributes
+# learning_rate, weight_decay, beta1, beta2, muon_momentum.
 
 
 def adamw_everywhere(model, c, device_type):
     """adamw() over every trainable parameter."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [adamw(params, c["weight_decay"], c["learning_rate"], (c["beta1"], c["beta2"]), device_type)]
+    return [adamw(params, c.weight_decay, c.learning_rate, (c.beta1, c.beta2), device_type)]
 
 
 def muon_for_matrices(model, c, device_type):
@@ -98,29 +98,29 @@ def muon_for_matrices(model, c, device_type):
     the embeddings, the head, norm gains and biases."""
     hidden = {id(p) for p in model.blocks.parameters() if p.dim() == 2}
     muon = Muon([p for p in model.blocks.parameters() if id(p) in hidden], ns_dtype=precision(device_type).newton_schulz,
-                lr=c["learning_rate"], weight_decay=c["weight_decay"], momentum=c["muon_momentum"],
+                lr=c.learning_rate, weight_decay=c.weight_decay, momentum=c.muon_momentum,
                 adjust_lr_fn="match_rms_adamw")
     rest = [p for p in model.parameters() if id(p) not in hidden]
-    return [muon, adamw(rest, c["weight_decay"], c["learning_rate"], (c["beta1"], c["beta2"]), device_type)]
+    return [muon, adamw(rest, c.weight_decay, c.learning_rate, (c.beta1, c.beta2), device_type)]
 
 
 OPTIMIZERS = {"adamw": adamw_everywhere, "muon": muon_for_matrices}
 
 
 def build_optimizers(model, c, device_type):
-    return OPTIMIZERS[c["optimizer"]](model, c, device_type)
+    return OPTIMIZERS[c.optimizer](model, c, device_type)
 
 
 def get_lr(it, c):
     """Linear warmup from lr/(warmup+1) (never 0: step 0 must learn too), then a cosine down to min_lr
     at lr_decay_iters, then min_lr."""
-    decay_iters = c["lr_decay_iters"] if c["lr_decay_iters"] is not None else c["max_iters"]
-    if it < c["warmup_iters"]:
-        return c["learning_rate"] * (it + 1) / (c["warmup_iters"] + 1)
+    decay_iters = c.lr_decay_iters if c.lr_decay_iters is not None else c.max_iters
+    if it < c.warmup_iters:
+        return c.learning_rate * (it + 1) / (c.warmup_iters + 1)
     if it >= decay_iters:
-        return c["min_lr"]
-    progress = (it - c["warmup_iters"]) / max(1, decay_iters - c["warmup_iters"])
-    return c["min_lr"] + 0.5 * (1.0 + math.cos(math.pi * progress)) * (c["learning_rate"] - c["min_lr"])
+        return c.min_lr
+    progress = (it - c.warmup_iters) / max(1, decay_iters - c.warmup_iters)
+    return c.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (c.learning_rate - c.min_lr)
 
 
 def clip_gradients(parameters, max_norm):

@@ -10,9 +10,10 @@ The PNG needs matplotlib (pip install matplotlib); without it the summary is pri
 
 import os
 import sys
+from types import SimpleNamespace
 
-from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, read_metrics
-from configurator import fail
+from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, read_metrics, tokens_per_step
+from configurator import ConfigError, cli_main
 
 STYLES = ("-", "--", ":")  # past matplotlib's 10 default colours, the line style tells runs apart
 
@@ -38,20 +39,20 @@ def read_run(out_dir):
     records = read_metrics(out_dir)
     if not records:
         raise CheckpointError(f"{out_dir}: no metrics.jsonl (or it is empty); give the out_dir of a training run")
-    tokens_per_step = None
+    per_step = None
     path = os.path.join(out_dir, CHECKPOINT)
     if os.path.exists(path):
-        c = load_checkpoint(path, mmap=True)["train_config"]  # the configs only: the weights stay on disk
-        tokens_per_step = c["batch_size"] * c["block_size"] * c["gradient_accumulation_steps"]
-    return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r], tokens_per_step
+        saved = load_checkpoint(path, mmap=True)["train_config"]  # the configs only: the weights stay on disk
+        per_step = tokens_per_step(SimpleNamespace(**saved))
+    return [r for r in records if "loss" in r], [r for r in records if "val_loss" in r], per_step
 
 
-def summary(name, steps, evals, tokens_per_step):
+def summary(name, steps, evals, per_step):
     if not evals:
         return f"{name}: {len(steps)} steps logged, no evaluation yet"
     best = min(evals, key=lambda r: r["val_loss"])
     last = evals[-1]
-    tokens = f", {last['iter'] * tokens_per_step:,} tokens" if tokens_per_step else ""
+    tokens = f", {last['iter'] * per_step:,} tokens" if per_step else ""
     return (f"{name}: best val {best['val_loss']:.4f} at step {best['iter']}; last val {last['val_loss']:.4f} at step "
             f"{last['iter']}, {last['elapsed']:.0f} s{tokens}")
 
@@ -92,7 +93,10 @@ def draw(runs, path):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+    cli_main(plot_runs, argv)
+
+
+def plot_runs(argv):
     if not argv or "-h" in argv or "--help" in argv:
         print(__doc__.strip())
         sys.exit(0 if argv else 2)
@@ -100,16 +104,14 @@ def main(argv=None):
     unknown = [a for a in argv if a.startswith("-") and not a.startswith("--out=")]
     dirs = [a for a in argv if not a.startswith("-")]
     if unknown or not dirs:
-        fail(f"usage: python plot.py OUT_DIR [OUT_DIR ...] [--out=FILE.png]{' (unknown: ' + ' '.join(unknown) + ')' if unknown else ''}")
-    try:
-        names = [os.path.basename(os.path.normpath(d)) or d for d in dirs]
-        if len(set(names)) < len(names):  # two runs named alike (a/out, b/out): label them by the path given
-            names = [f"{d} ({i + 1})" if dirs.count(d) > 1 else d for i, d in enumerate(dirs)]
-        loaded = {name: read_run(d) for name, d in zip(names, dirs)}
-    except CheckpointError as e:
-        fail(e)
-    for name, (steps, evals, tokens_per_step) in loaded.items():
-        print(summary(name, steps, evals, tokens_per_step))
+        raise ConfigError("usage: python plot.py OUT_DIR [OUT_DIR ...] [--out=FILE.png]"
+                          + (f" (unknown: {' '.join(unknown)})" if unknown else ""))
+    names = [os.path.basename(os.path.normpath(d)) or d for d in dirs]
+    if len(set(names)) < len(names):  # two runs named alike (a/out, b/out): label them by the path given
+        names = [f"{d} ({i + 1})" if dirs.count(d) > 1 else d for i, d in enumerate(dirs)]
+    loaded = {name: read_run(d) for name, d in zip(names, dirs)}
+    for name, (steps, evals, per_step) in loaded.items():
+        print(summary(name, steps, evals, per_step))
     path = outs[-1] if outs else os.path.join(dirs[0], "curves.png")
     if draw({name: (steps, evals) for name, (steps, evals, _) in loaded.items()}, path) is None:
         print("matplotlib is not installed: printed the summary only (pip install matplotlib for the PNG)")

@@ -11,16 +11,17 @@ so sample i of a batch is exactly what a run with --seed=<seed + i> --num_sample
 
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 
-from checkpoint import load_draft, model_and_tokenizer
-from configurator import ConfigError, fail, keys_of, parse_or_exit
+import speculative
+from checkpoint import load_any
+from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import DataError
 from device import DEVICES, pick_device, precision
-from model import ModelDraft, check_num_draft, check_sampling_args
+from model import Sampling, check_max_new_tokens
 from quantize import WEIGHTS_DTYPES, for_inference
 
 END_OF_TEXT = "<|endoftext|>"
@@ -118,19 +119,25 @@ def decode(tokenizer, prompt_ids, ids, stop):
 
 def log_precision(c, device):
     """One line on stderr, once the input has passed its checks (bad input gets its error line alone)."""
-    print(f"precision: {c['weights_dtype']} weights | {precision(torch.device(device).type).why}", file=sys.stderr)
+    print(f"precision: {c.weights_dtype} weights | {precision(torch.device(device).type).why}", file=sys.stderr)
+
+
+def sampling_of(c):
+    return checked(Sampling, c.temperature, c.top_k, c.top_p)
 
 
 def generate_texts(model, tokenizer, prompt, c, device, draft=None):
     """The generated continuations (prompt excluded), one per sample."""
     ids = encode_prompt(tokenizer, prompt, model.config.block_size)
-    idx = torch.tensor([ids] * c["num_samples"], dtype=torch.long, device=device)
-    generators = [torch.Generator(device=device).manual_seed(c["seed"] + i) for i in range(c["num_samples"])]
-    eos = stop_token(tokenizer, c["stop"])
+    idx = torch.tensor([ids] * c.num_samples, dtype=torch.long, device=device)
+    generators = [torch.Generator(device=device).manual_seed(c.seed + i) for i in range(c.num_samples)]
+    eos = stop_token(tokenizer, c.stop)
     log_precision(c, device)
-    out = model.generate(idx, c["max_new_tokens"], c["temperature"], c["top_k"], c["top_p"], eos_token_id=eos,
-                         generator=generators, draft=draft, num_draft=c["num_draft"])
-    return [decode(tokenizer, ids, row[len(ids) :].tolist(), c["stop"]) for row in out]
+    if draft is None:
+        out = model.generate(idx, c.max_new_tokens, sampling_of(c), eos, generator=generators)
+    else:
+        out = speculative.generate(model, idx, c.max_new_tokens, sampling_of(c), draft, eos, generators)
+    return [decode(tokenizer, ids, row[len(ids) :].tolist(), c.stop) for row in out]
 
 
 def stream_text(model, tokenizer, prompt, c, device, write, draft=None):
@@ -139,15 +146,18 @@ def stream_text(model, tokenizer, prompt, c, device, write, draft=None):
     inside a multi-byte character waits for the rest."""
     ids = encode_prompt(tokenizer, prompt, model.config.block_size)
     idx = torch.tensor([ids], dtype=torch.long, device=device)
-    generator = [torch.Generator(device=device).manual_seed(c["seed"])]
-    stop = c["stop"]
+    generator = [torch.Generator(device=device).manual_seed(c.seed)]
+    stop = c.stop
     hold = 0 if stop in (None, END_OF_TEXT) else len(stop) - 1
     new, shown = [], ""
     eos = stop_token(tokenizer, stop)
     log_precision(c, device)
     write(prompt)  # as batch mode prints it: the prompt, then the sample
-    for column in model.stream(idx, c["max_new_tokens"], c["temperature"], c["top_k"], c["top_p"],
-                               eos_token_id=eos, generator=generator, draft=draft, num_draft=c["num_draft"]):
+    if draft is None:
+        columns = model.stream(idx, c.max_new_tokens, sampling_of(c), eos, generator=generator)
+    else:
+        columns = speculative.stream(model, idx, c.max_new_tokens, sampling_of(c), draft, eos, generator)
+    for column in columns:
         new.append(int(column[0, 0]))
         text = decode(tokenizer, ids, new, stop)
         ended = len(text) < len(continuation(tokenizer, ids, new))  # the stop string (or token) has appeared
@@ -163,41 +173,45 @@ def stream_text(model, tokenizer, prompt, c, device, write, draft=None):
     return text
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    c, _ = parse_or_exit(keys_of(SampleConfig, SAMPLE_CHOICES), argv, "python sample.py [config_file ...] [--key=value ...]",
-                         __doc__.strip().splitlines()[0], RENAMED)
+def sample(c):
+    """Prints c.num_samples samples (or streams one); the draft's statistics on stderr."""
+    checked(check_max_new_tokens, c.max_new_tokens)
+    sampling_of(c)
+    if c.num_samples < 1:
+        raise ConfigError(f"num_samples={c.num_samples} must be >= 1")
+    if c.stream and c.num_samples != 1:
+        raise ConfigError("stream=True prints one sample as it arrives: set num_samples=1")
+    device = pick_device(c.device)
+    draft = speculative.load_draft(c.draft, c.num_draft) if c.draft else None  # a bad num_draft fails here
+    model, tokenizer, _ = load_any(c.out_dir if c.init_from == "resume" else c.init_from)
+    model = checked(for_inference, model.to(device=device), c.weights_dtype)
+    if draft is not None:
+        draft.check(model.config, tokenizer)
+        draft.for_inference(device, c.weights_dtype)
+    prompt = read_prompt(c.start)
+    c = replace(c, stop=None if c.stop is None else unescape(c.stop))
     try:
-        check_sampling_args(c["max_new_tokens"], c["temperature"], c["top_k"], c["top_p"])
-        if c["num_samples"] < 1:
-            raise ConfigError(f"num_samples={c['num_samples']} must be >= 1")
-        if c["stream"] and c["num_samples"] != 1:
-            raise ConfigError("stream=True prints one sample as it arrives: set num_samples=1")
-        device = pick_device(c["device"])
-        if c["draft"] and c["num_draft"] is not None:
-            check_num_draft(c["num_draft"])  # before any model loads
-        model, tokenizer, _ = model_and_tokenizer(c["init_from"], c["out_dir"])
-        model = for_inference(model.to(device=device), c["weights_dtype"])
-        draft = load_draft(c["draft"], tokenizer) if c["draft"] else None
-        if isinstance(draft, ModelDraft):  # its vocabulary is checked by generate, before anything runs
-            draft.model = for_inference(draft.model.to(device=device), c["weights_dtype"])
-        prompt = read_prompt(c["start"])
-        c = {**c, "stop": None if c["stop"] is None else unescape(c["stop"])}
-        if c["stream"]:
+        if c.stream:
             stream_text(model, tokenizer, prompt, c, device, lambda s: print(s, end="", flush=True), draft)
             print()
         else:
             for text in generate_texts(model, tokenizer, prompt, c, device, draft):
                 print(prompt + text)
                 print("---------------")
-    except ValueError as e:  # ConfigError, DataError, CheckpointError and the model's argument checks
-        fail(e)
     except KeyboardInterrupt:  # samples print whole or not at all (a streamed one stops where it was)
-        print("\nerror: interrupted" if c["stream"] else "error: interrupted; nothing printed", file=sys.stderr)
+        print("\nerror: interrupted" if c.stream else "error: interrupted; nothing printed", file=sys.stderr)
         sys.exit(130)
     if draft is not None and draft.checks:
-        print(f"speculative decoding: {draft.accepted} of {draft.proposed} drafted tokens accepted "
-              f"({draft.accepted / max(1, draft.proposed):.0%}), {draft.checks} checking forwards", file=sys.stderr)
+        print(draft.summary(), file=sys.stderr)
+
+
+def main(argv=None):
+    def command(argv):
+        c, _ = parse_config(SampleConfig, argv, "python sample.py [config_file ...] [--key=value ...]",
+                            __doc__.strip().splitlines()[0], keys_of(SampleConfig, SAMPLE_CHOICES), RENAMED)
+        sample(c)
+
+    cli_main(command, argv)
 
 
 if __name__ == "__main__":

@@ -15,24 +15,24 @@ import os
 import signal
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass, fields
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
 
-from checkpoint import CHECKPOINT, METRICS, CheckpointError, RunLock, load_checkpoint, model_config, save_checkpoint
-from configurator import ConfigError, fail, keys_of, parse_or_exit
+from checkpoint import CHECKPOINT, METRICS, RunLock, load_checkpoint, save_checkpoint, tokens_per_step
+from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import BatchSampler, DataError, open_split, read_meta, resolve_dataset, tokenizer_from_meta
 from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
 from device import autocast as autocast_for
-from hf import PretrainedError, uses_gpt2_tokenizer
-from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, lm_loss, recording_max_attention_logit
+from hf import uses_gpt2_tokenizer
+from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, ModelKeys, attention_scores, lm_loss, model_config
 from optim import OPTIMIZERS, build_optimizers, clip_gradients, get_lr
 
 @dataclass
-class TrainConfig:
+class TrainConfig(ModelKeys):  # and every model key (model.ModelKeys)
     # input and output
     out_dir: str = "out"  # ckpt.pt and metrics.jsonl go here
     init_from: str = "scratch"  # scratch | resume | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a Hugging Face model directory
@@ -73,34 +73,34 @@ class TrainConfig:
 
 
 TRAIN_CHOICES = {"device": DEVICES, "dtype": COMPUTE_DTYPES, "optimizer": tuple(OPTIMIZERS), **MODEL_CHOICES}
-TRAIN_KEYS = [f.name for f in fields(TrainConfig)]
+TRAIN_KEYS = [f.name for f in fields(TrainConfig)]  # the model's too
 VOCAB_HELP = "vocabulary size; default: the dataset's (pad it, e.g. to 50304, for faster GPU matmuls)"
 
 
 def config_keys():
-    return keys_of(TrainConfig, TRAIN_CHOICES) + keys_of(GPTConfig, TRAIN_CHOICES, helps={"vocab_size": VOCAB_HELP})
+    return keys_of(TrainConfig, TRAIN_CHOICES, helps={"vocab_size": VOCAB_HELP}, base=ModelKeys)
 
 
 def check_config(c):
     """Values that parse but cannot work; each a ConfigError naming the key."""
     positive = ["max_iters", "eval_interval", "eval_iters", "log_interval", "batch_size", "gradient_accumulation_steps"]
     for key in positive:
-        if c[key] < 1:
-            raise ConfigError(f"{key}={c[key]} must be >= 1")
-    if c["learning_rate"] <= 0:
-        raise ConfigError(f"learning_rate={c['learning_rate']} must be > 0")
-    if not 0 <= c["min_lr"] <= c["learning_rate"]:
-        raise ConfigError(f"min_lr={c['min_lr']} must be in [0, learning_rate={c['learning_rate']}]")
-    if not 0 <= c["warmup_iters"] <= c["max_iters"]:
-        raise ConfigError(f"warmup_iters={c['warmup_iters']} must be in [0, max_iters={c['max_iters']}]: "
+        if getattr(c, key) < 1:
+            raise ConfigError(f"{key}={getattr(c, key)} must be >= 1")
+    if c.learning_rate <= 0:
+        raise ConfigError(f"learning_rate={c.learning_rate} must be > 0")
+    if not 0 <= c.min_lr <= c.learning_rate:
+        raise ConfigError(f"min_lr={c.min_lr} must be in [0, learning_rate={c.learning_rate}]")
+    if not 0 <= c.warmup_iters <= c.max_iters:
+        raise ConfigError(f"warmup_iters={c.warmup_iters} must be in [0, max_iters={c.max_iters}]: "
                           "a warmup longer than the run never reaches the learning rate")
-    decay = c["lr_decay_iters"]
-    if decay is not None and decay < c["warmup_iters"]:
-        raise ConfigError(f"lr_decay_iters={decay} must be >= warmup_iters={c['warmup_iters']}")
-    if c["grad_clip"] < 0 or c["weight_decay"] < 0:
+    decay = c.lr_decay_iters
+    if decay is not None and decay < c.warmup_iters:
+        raise ConfigError(f"lr_decay_iters={decay} must be >= warmup_iters={c.warmup_iters}")
+    if c.grad_clip < 0 or c.weight_decay < 0:
         raise ConfigError("grad_clip and weight_decay must be >= 0")
-    if not (0 <= c["beta1"] < 1 and 0 <= c["beta2"] < 1):
-        raise ConfigError(f"beta1={c['beta1']} and beta2={c['beta2']} must be in [0, 1)")
+    if not (0 <= c.beta1 < 1 and 0 <= c.beta2 < 1):
+        raise ConfigError(f"beta1={c.beta1} and beta2={c.beta2} must be in [0, 1)")
 
 
 class NonFinite(RuntimeError):
@@ -120,11 +120,11 @@ class Logger:
         self.bar = self.wandb = self.file = None
         if not active:
             return
-        if c["wandb_log"]:  # first: a wandb that cannot start must not cost the run its metrics file
+        if c.wandb_log:  # first: a wandb that cannot start must not cost the run its metrics file
             import wandb
 
             try:
-                self.wandb = wandb.init(project=c["wandb_project"], name=c["wandb_run_name"], config=c,
+                self.wandb = wandb.init(project=c.wandb_project, name=c.wandb_run_name, config=asdict(c),
                                         resume="allow")
             except Exception as e:  # not logged in, no network, a bad project: wandb's own exception types
                 reason = (str(e).strip().splitlines() or [""])[0]
@@ -140,7 +140,7 @@ class Logger:
         if sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=c["max_iters"], initial=start_iter, dynamic_ncols=True)
+            self.bar = tqdm(total=c.max_iters, initial=start_iter, dynamic_ncols=True)
 
     def print(self, text):
         if self.active:
@@ -185,19 +185,20 @@ def settle_config(c, explicit):
     """The config that runs, and the checkpoint to resume (or None). A resumed run keeps its own config
     apart from what the command line changes; a fresh one refuses an out_dir that holds a checkpoint.
     Defaults the user did not set are fitted to a short run; what the user wrote is only checked."""
-    ckpt_path = os.path.join(c["out_dir"], CHECKPOINT)
+    ckpt_path = os.path.join(c.out_dir, CHECKPOINT)
     ckpt, notes = None, []
-    if c["init_from"] == "resume":
+    if c.init_from == "resume":
         ckpt = load_checkpoint(ckpt_path)
-        c = {**ckpt["train_config"], **{k: c[k] for k in explicit}, "init_from": "resume"}
-    elif os.path.exists(ckpt_path) and not c["overwrite"]:
+        saved = {k: v for k, v in ckpt["train_config"].items() if k in TRAIN_KEYS}  # keys since removed are dropped
+        c = TrainConfig(**{**saved, **{k: getattr(c, k) for k in explicit}, "init_from": "resume"})
+    elif os.path.exists(ckpt_path) and not c.overwrite:
         raise ConfigError(f"{ckpt_path} exists: continue it with --init_from=resume, or start over with "
                           "--overwrite=True (or another --out_dir)")
-    elif "warmup_iters" not in explicit and c["warmup_iters"] > c["max_iters"]:
-        fitted = c["max_iters"] // 10
-        notes.append(f"note: warmup_iters={c['warmup_iters']} (the default) is longer than max_iters={c['max_iters']}; "
+    elif "warmup_iters" not in explicit and c.warmup_iters > c.max_iters:
+        fitted = c.max_iters // 10
+        notes.append(f"note: warmup_iters={c.warmup_iters} (the default) is longer than max_iters={c.max_iters}; "
                      f"using warmup_iters={fitted} (a tenth of the run); set it to choose")
-        c = {**c, "warmup_iters": fitted}
+        c = replace(c, warmup_iters=fitted)
     check_config(c)
     return c, ckpt, notes
 
@@ -206,42 +207,43 @@ def build_model(c, explicit, data_meta, ckpt):
     """The model for init_from, checked against the dataset's tokenizer."""
     tokenizer = data_meta["tokenizer"]
     if ckpt is not None:
-        changed = [k for k in explicit if k in MODEL_KEYS and k != "dropout" and c[k] != ckpt["model_config"][k]]
+        changed = [k for k in explicit if k in MODEL_KEYS and k != "dropout" and getattr(c, k) != ckpt["model_config"][k]]
         if changed:
             saved = ckpt["model_config"]
-            raise ConfigError("init_from=resume: " + ", ".join(f"{k}={c[k]!r}" for k in changed) + " differs from "
+            raise ConfigError("init_from=resume: " + ", ".join(f"{k}={getattr(c, k)!r}" for k in changed) + " differs from "
                               "the checkpoint (" + ", ".join(f"{k}={saved[k]!r}" for k in changed) + "); a resumed "
                               "run keeps its architecture")
         if ckpt["tokenizer"] != tokenizer:
-            raise DataError(f"dataset {c['dataset']!r} uses tokenizer {tokenizer}, but {c['out_dir']}/{CHECKPOINT} "
+            raise DataError(f"dataset {c.dataset!r} uses tokenizer {tokenizer}, but {c.out_dir}/{CHECKPOINT} "
                             f"was trained with {ckpt['tokenizer']}; resume with the dataset it was trained on")
-        return GPT(GPTConfig(**{**ckpt["model_config"], "dropout": c["dropout"]}))
-    if c["init_from"] == "scratch":
-        vocab_size = c["vocab_size"] if "vocab_size" in explicit else data_meta["vocab_size"]
-        return GPT(model_config({**c, "vocab_size": vocab_size}))
+        return GPT(GPTConfig(**{**ckpt["model_config"], "dropout": c.dropout}))
+    if c.init_from == "scratch":
+        vocab_size = c.vocab_size if "vocab_size" in explicit else data_meta["vocab_size"]
+        return GPT(checked(model_config, replace(c, vocab_size=vocab_size)))
     overridden = [k for k in explicit if k in MODEL_KEYS and k != "dropout"]
     if overridden:
-        raise ConfigError(f"init_from={c['init_from']}: the pretrained model fixes {', '.join(overridden)}; "
+        raise ConfigError(f"init_from={c.init_from}: the pretrained model fixes {', '.join(overridden)}; "
                           "drop those keys (only dropout can change)")
-    model = GPT.from_pretrained(c["init_from"], dropout=c["dropout"])
+    model = GPT.from_pretrained(c.init_from, dropout=c.dropout)
     if uses_gpt2_tokenizer(model.config) and tokenizer != {"kind": "tiktoken", "encoding": "gpt2"}:
-        raise DataError(f"GPT-2 weights need a dataset tokenized with tiktoken gpt2; {c['dataset']!r} uses {tokenizer}")
+        raise DataError(f"GPT-2 weights need a dataset tokenized with tiktoken gpt2; {c.dataset!r} uses {tokenizer}")
     return model
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    values, explicit = parse_or_exit(config_keys(), argv, "python train.py [config_file ...] [--key=value ...]",
-                                     __doc__.strip().splitlines()[0])
+    return cli_main(command, argv)
+
+
+def command(argv):
+    c, explicit = parse_config(TrainConfig, argv, "python train.py [config_file ...] [--key=value ...]",
+                               __doc__.strip().splitlines()[0], config_keys())
     try:
-        result = train(values, explicit)
-    except (ConfigError, DataError, CheckpointError, PretrainedError) as e:
-        fail(e)
+        result = train(c, explicit)
     except (NonFinite, OSError) as e:  # not bad input: a diverged run, a full disk
         print(f"error: {e.strerror if isinstance(e, OSError) and e.strerror else e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # the second Ctrl-C: out at once, without a traceback
-        print(f"error: interrupted again; stopped at once: {os.path.join(values['out_dir'], CHECKPOINT)} holds the "
+        print(f"error: interrupted again; stopped at once: {os.path.join(c.out_dir, CHECKPOINT)} holds the "
               "last saved state (continue with --init_from=resume)", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
     if result["signal"] is not None:
@@ -253,6 +255,32 @@ def main(argv=None):
 # The pieces of a run
 
 
+@contextmanager
+def recording_max_attention_logit(model):
+    """Yields a list; every attention call inside the block appends its largest pre-softmax score
+    (scaled q.k plus any ALiBi bias, causal positions only). Diagnoses attention-logit growth
+    (Wortsman et al. 2023) without touching the attention code itself."""
+    found = []
+
+    def recorder(attend):
+        def attend_and_record(q, k, v, bias, start, dropout_p=0.0):
+            found.append(attention_scores(q.float(), k.float(), bias, start).max())
+            return attend(q, k, v, bias, start, dropout_p)
+
+        return attend_and_record
+
+    attentions = [block.attn for block in model.blocks]
+    originals = [attn.attend for attn in attentions]
+    for attn, attend in zip(attentions, originals):
+        attn.attend = recorder(attend)
+    try:
+        yield found
+    finally:
+        for attn, attend in zip(attentions, originals):
+            attn.attend = attend
+
+
+
 class Run:
     """One process's share of a training run: its device and process group, data, model (wrapped for
     compile and DDP/FSDP2), optimizers and loss scaler, with what the step loop does to them: evaluate()
@@ -260,38 +288,38 @@ class Run:
 
     def __init__(self, c, explicit, ckpt):
         # device, processes, precision
-        self.device_type = pick_device(c["device"])
+        self.device_type = pick_device(c.device)
         self.world = world = Dist(self.device_type)
         self.device = f"cuda:{world.local_rank}" if self.device_type == "cuda" else self.device_type
         if self.device_type == "cuda":
             torch.cuda.set_device(self.device)
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        self.dtype = pick_dtype(c["dtype"], self.device_type)
-        if c["gradient_accumulation_steps"] % world.size:
-            raise ConfigError(f"gradient_accumulation_steps={c['gradient_accumulation_steps']} must be divisible by "
+        self.dtype = pick_dtype(c.dtype, self.device_type)
+        if c.gradient_accumulation_steps % world.size:
+            raise ConfigError(f"gradient_accumulation_steps={c.gradient_accumulation_steps} must be divisible by "
                               f"the number of processes ({world.size})")
-        if c["eval_iters"] % world.size:
-            raise ConfigError(f"eval_iters={c['eval_iters']} must be divisible by the number of processes ({world.size})")
-        if c["fsdp"] and not world.enabled:
+        if c.eval_iters % world.size:
+            raise ConfigError(f"eval_iters={c.eval_iters} must be divisible by the number of processes ({world.size})")
+        if c.fsdp and not world.enabled:
             raise ConfigError("fsdp=True needs torchrun (several processes); without it, leave fsdp=False")
-        if c["fsdp"] and c["optimizer"] == "muon":
+        if c.fsdp and c.optimizer == "muon":
             raise ConfigError("optimizer=muon does not support sharded (FSDP2) parameters; use DDP (fsdp=False)")
-        self.micro_steps = c["gradient_accumulation_steps"] // world.size
-        torch.manual_seed(c["seed"])  # the same initial weights in every process (FSDP2 does not broadcast them)
+        self.micro_steps = c.gradient_accumulation_steps // world.size
+        torch.manual_seed(c.seed)  # the same initial weights in every process (FSDP2 does not broadcast them)
 
         # data and model
-        data_dir = resolve_dataset(c["dataset"])
+        data_dir = resolve_dataset(c.dataset)
         self.data_meta = read_meta(data_dir)
         model = build_model(c, explicit, self.data_meta, ckpt)
         self.config = config = model.config
         if self.data_meta["vocab_size"] > config.vocab_size:
-            raise DataError(f"dataset {c['dataset']!r} has a vocabulary of {self.data_meta['vocab_size']}, more than "
+            raise DataError(f"dataset {c.dataset!r} has a vocabulary of {self.data_meta['vocab_size']}, more than "
                             f"the model's vocab_size={config.vocab_size}")
-        self.c = c = {**c, **asdict(config)}  # what actually runs, recorded in the checkpoint
-        torch.manual_seed(c["seed"] + world.rank)  # then a dropout stream of its own per process
+        self.c = c = replace(c, **asdict(config))  # what actually runs, recorded in the checkpoint
+        torch.manual_seed(c.seed + world.rank)  # then a dropout stream of its own per process
         splits = {s: open_split(data_dir, s, self.data_meta["vocab_size"]) for s in ("train", "val")}
-        self.train_batches = BatchSampler(splits["train"], config.block_size, seed=c["seed"])
+        self.train_batches = BatchSampler(splits["train"], config.block_size, seed=c.seed)
         try:  # UTF-8 bytes per token id, for val bits per byte; None where the tokenizer cannot load
             self.token_bytes = torch.tensor(tokenizer_from_meta(self.data_meta["tokenizer"]).token_bytes())
         except DataError:
@@ -303,7 +331,7 @@ class Run:
         if ckpt is not None:
             model.load_state_dict(ckpt["model"])
         model.to(self.device)
-        if c["fsdp"]:
+        if c.fsdp:
             from torch.distributed.fsdp import fully_shard
 
             for block in model.blocks:
@@ -317,8 +345,8 @@ class Run:
 
     def wrap(self):
         """torch.compile and DDP around the model, once its state is restored."""
-        self.model = torch.compile(self.raw_model) if self.c["compile"] else self.raw_model
-        if self.world.enabled and not self.c["fsdp"]:
+        self.model = torch.compile(self.raw_model) if self.c.compile else self.raw_model
+        if self.world.enabled and not self.c.fsdp:
             from torch.nn.parallel import DistributedDataParallel
 
             # buffers (RoPE tables, ALiBi slopes) are constants: no need to sync them every forward
@@ -330,7 +358,7 @@ class Run:
 
     def grad_sync(self, enabled):
         """Gradients are all-reduced only on the last micro-step of an accumulation."""
-        if self.c["fsdp"]:
+        if self.c.fsdp:
             self.model.set_requires_gradient_sync(enabled)
         elif self.world.enabled and not enabled:
             return self.model.no_sync()
@@ -347,14 +375,14 @@ class Run:
         self.model.eval()
         result = {}
         for i, (split, sampler) in enumerate(self.eval_batches.items()):
-            sampler.generator.manual_seed(c["seed"] + 1 + i)
+            sampler.generator.manual_seed(c.seed + 1 + i)
             total = torch.zeros((), device=self.device)
             n_bytes = 0  # of every batch (each process draws them all): no collective needed
-            for k in range(c["eval_iters"]):
+            for k in range(c.eval_iters):
                 if stop.signum is not None and not world.enabled:  # under torchrun: after the evaluation
                     self.model.train()
                     return None
-                x, y = sampler.sample(c["batch_size"])
+                x, y = sampler.sample(c.batch_size)
                 if self.token_bytes is not None:
                     n_bytes += int(self.token_bytes[y].sum())
                 if k % world.size != world.rank:
@@ -362,12 +390,12 @@ class Run:
                 with self.autocast:
                     logits, _ = self.model(self.to_device(x))
                 total += lm_loss(logits, self.to_device(y))[1].float()
-            result[split] = (world.mean(total) * world.size / c["eval_iters"]).item()
+            result[split] = (world.mean(total) * world.size / c.eval_iters).item()
             if split == "val" and n_bytes:  # bits per byte: comparable across tokenizers
-                tokens = c["eval_iters"] * c["batch_size"] * self.config.block_size
+                tokens = c.eval_iters * c.batch_size * self.config.block_size
                 result["val_bpb"] = result["val"] * tokens / math.log(2) / n_bytes
-        if c["log_stability"]:  # on one val batch: the instabilities' two symptoms
-            x, _ = self.eval_batches["val"].sample(c["batch_size"])
+        if c.log_stability:  # on one val batch: the instabilities' two symptoms
+            x, _ = self.eval_batches["val"].sample(c.batch_size)
             with recording_max_attention_logit(self.raw_model) as logits_max, self.autocast:
                 logits, _ = self.raw_model(self.to_device(x))
             result["max_attn_logit"] = world.mean(torch.stack(logits_max).max()).item()
@@ -383,12 +411,12 @@ class Run:
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = lr
-        x_all, y_all = self.train_batches.sample(c["gradient_accumulation_steps"] * c["batch_size"])
+        x_all, y_all = self.train_batches.sample(c.gradient_accumulation_steps * c.batch_size)
         loss_sum = torch.zeros((), device=self.device)
         ce_sum = torch.zeros((), device=self.device)
         for micro in range(micro_steps):
-            rows = slice((world.rank * micro_steps + micro) * c["batch_size"],
-                         (world.rank * micro_steps + micro + 1) * c["batch_size"])  # fmt: skip
+            rows = slice((world.rank * micro_steps + micro) * c.batch_size,
+                         (world.rank * micro_steps + micro + 1) * c.batch_size)  # fmt: skip
             x, y = self.to_device(x_all[rows]), self.to_device(y_all[rows])
             with self.grad_sync(micro == micro_steps - 1):
                 with self.autocast:
@@ -399,11 +427,11 @@ class Run:
             ce_sum += ce.detach()
         for optimizer in self.optimizers:
             self.scaler.unscale_(optimizer)
-        grad_norm = clip_gradients(self.raw_model.parameters(), c["grad_clip"])
+        grad_norm = clip_gradients(self.raw_model.parameters(), c.grad_clip)
         # with fp16 an infinite gradient is the GradScaler's business: it skips the step and rescales
         finite = torch.isfinite(loss_sum) if self.scaler.is_enabled() else torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
         skipped = False
-        if c["skip_nonfinite"]:
+        if c.skip_nonfinite:
             skipped = not bool(finite.item())  # deciding needs the value now: one host sync per step
         else:
             first_bad = torch.where(~finite & (first_bad < 0), iter_num, first_bad)
@@ -453,7 +481,7 @@ class RunState:
         state = {
             "format": 1, "model": model_state, "optimizer": optim_state,
             "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
-            "model_config": asdict(run.config), "train_config": {k: run.c[k] for k in TRAIN_KEYS + MODEL_KEYS},
+            "model_config": asdict(run.config), "train_config": {k: getattr(run.c, k) for k in TRAIN_KEYS},
             "tokenizer": run.data_meta["tokenizer"], "iter_num": self.iter_num, "best_val_loss": self.best_val,
             "evaluated_at": self.evaluated_at, "sampler": run.train_batches.state_dict(),
             "rng": {"cpu": [r[0] for r in rng], "cuda": [r[1] for r in rng]},
@@ -494,7 +522,7 @@ def step_record(run, iter_num, lr, loss_sum, ce_sum, grad_norm, skipped, seconds
     config, world = run.config, run.world
     loss = world.mean(loss_sum / run.micro_steps).item()
     ce = world.mean(ce_sum / run.micro_steps).item()
-    tokens_per_sec = steps * run.c["gradient_accumulation_steps"] * run.c["batch_size"] * config.block_size / max(seconds, 1e-9)
+    tokens_per_sec = steps * tokens_per_step(run.c) / max(seconds, 1e-9)
     mfu = estimate_mfu(run.raw_model, tokens_per_sec / world.size, config.block_size, run.device)
     record = {"iter": iter_num, "loss": loss, "ce": ce, "lr": lr, "grad_norm": grad_norm.item(),
               "tokens_per_sec": tokens_per_sec, "ms_per_iter": 1000 * seconds / steps, "elapsed": elapsed}
@@ -514,13 +542,14 @@ def step_record(run, iter_num, lr, loss_sum, ce_sum, grad_norm, skipped, seconds
 # The recipe
 
 
-def train(values, explicit):
+def train(c, explicit):
+    """Runs the training c describes (a TrainConfig; explicit: the keys the user set) in this process."""
     # the config that runs, the pieces, and where a resumed run stands
     state = RunState()
-    settled, ckpt, notes = settle_config(values, explicit)
+    settled, ckpt, notes = settle_config(c, explicit)
     run = Run(settled, explicit, ckpt)
     c, world = run.c, run.world
-    ckpt_path = os.path.join(c["out_dir"], CHECKPOINT)
+    ckpt_path = os.path.join(c.out_dir, CHECKPOINT)
     if ckpt is not None:
         state.restore(ckpt, run)
         del ckpt
@@ -529,14 +558,14 @@ def train(values, explicit):
 
     # one run per out_dir; taken only now, so input that fails the checks above leaves nothing behind,
     # and released on every way out (the finally at the end)
-    lock = RunLock(c["out_dir"]).acquire() if world.master else None
+    lock = RunLock(c.out_dir).acquire() if world.master else None
     logger = stop = None
     try:
         # the log's first lines: the precision chosen, notes, the run's size
-        logger = Logger(c, c["out_dir"], state.iter_num, state.metrics_bytes, world.master)
+        logger = Logger(c, c.out_dir, state.iter_num, state.metrics_bytes, world.master)
         fast = precision(run.device_type)
-        muon = f", Muon's Newton-Schulz in {str(fast.newton_schulz).removeprefix('torch.')}" if c["optimizer"] == "muon" else ""
-        logger.print(f"precision: {run.dtype} ({'chosen' if c['dtype'] == 'auto' else 'as set'}){muon} | {fast.why}")
+        muon = f", Muon's Newton-Schulz in {str(fast.newton_schulz).removeprefix('torch.')}" if c.optimizer == "muon" else ""
+        logger.print(f"precision: {run.dtype} ({'chosen' if c.dtype == 'auto' else 'as set'}){muon} | {fast.why}")
         for note in notes:
             logger.print(note)
         if state.rng_processes and state.rng_processes != world.size:
@@ -544,9 +573,8 @@ def train(values, explicit):
                          f"{world.size}: batches continue exactly, dropout's random streams start afresh")
         if lock is not None and lock.took_over:
             logger.print(f"took over the lock of a run that ended without releasing it: {lock.took_over}")
-        tokens_per_iter = c["gradient_accumulation_steps"] * c["batch_size"] * run.config.block_size
         logger.print(f"{run.raw_model.get_num_params():,} parameters | {run.device} {run.dtype} | {world.size} "
-                     f"process(es) | {tokens_per_iter:,} tokens per step | steps {state.iter_num} -> {c['max_iters']}")
+                     f"process(es) | {tokens_per_step(c):,} tokens per step | steps {state.iter_num} -> {c.max_iters}")
 
         # the step loop
         stop = StopRequest(logger)
@@ -557,7 +585,7 @@ def train(values, explicit):
             stopping = False
             # evaluate (and checkpoint) every eval_interval steps and at the end
             it = state.iter_num
-            if (it % c["eval_interval"] == 0 or it == c["max_iters"]) and state.evaluated_at != it:
+            if (it % c.eval_interval == 0 or it == c.max_iters) and state.evaluated_at != it:
                 check_finite(first_bad, ckpt_path)
                 losses = run.evaluate(stop)
                 stopping = losses is None  # a stop request cut it short
@@ -570,10 +598,10 @@ def train(values, explicit):
                                f"eval {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                                + (f" ({losses['val_bpb']:.4f} bits per byte)" if "val_bpb" in losses else "")
                                + (" (best)" if improved else ""))
-                    if it > start_iter and (improved or c["always_save_checkpoint"]):
+                    if it > start_iter and (improved or c.always_save_checkpoint):
                         state.save(run, ckpt_path, logger)
                 last_log_time, last_log_iter = time.perf_counter(), it  # evaluation is not throughput
-            if it >= c["max_iters"] and not stopping:
+            if it >= c.max_iters and not stopping:
                 break
 
             # one optimizer step, logged every log_interval steps
@@ -583,7 +611,7 @@ def train(values, explicit):
                 if skipped:
                     logger.print(f"iteration {it}: non-finite loss or gradient norm, step skipped")
                 logger.step()
-                if it % c["log_interval"] == 0 or it == c["max_iters"] - 1:
+                if it % c.log_interval == 0 or it == c.max_iters - 1:
                     now = time.perf_counter()
                     record, line = step_record(run, it, lr, loss_sum, ce_sum, grad_norm, skipped, now - last_log_time,
                                                it + 1 - last_log_iter, state.elapsed())
@@ -596,7 +624,7 @@ def train(values, explicit):
             # under torchrun; nothing in a single process)
             if stopping or world.any(stop.signum is not None, run.device):
                 check_finite(first_bad, ckpt_path)
-                if c["always_save_checkpoint"]:
+                if c.always_save_checkpoint:
                     state.save(run, ckpt_path, logger)
                     logger.print(f"saved {ckpt_path} at iteration {state.iter_num}; continue with --init_from=resume")
                 else:

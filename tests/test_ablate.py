@@ -64,7 +64,7 @@ def test_invalid_value_fails_before_any_training(tmp_path, char_dataset, capsys)
 def test_token_budget_sets_steps(tmp_path, char_dataset):
     text = STUDY.replace("max_iters=6,", "") + "tokens = 4 * 16 * 5\n"
     runs, _ = ablate.load_study(write_study(tmp_path, char_dataset, text))
-    assert {values["max_iters"] for _, _, values, _ in runs} == {5}
+    assert {c.max_iters for _, _, c, _ in runs} == {5}
 
 
 def test_diverged_variant_is_reported(tmp_path, char_dataset):
@@ -82,8 +82,8 @@ def test_a_signal_stops_the_whole_study(tmp_path, char_dataset, monkeypatch, cap
 
     calls = []
 
-    def interrupted(values, explicit):  # as train.train returns after saving on SIGTERM
-        calls.append(values["seed"])
+    def interrupted(c, explicit):  # as train.train returns after saving on SIGTERM
+        calls.append(c.seed)
         return {"iter": 1, "signal": int(signal.SIGTERM), "best_val_loss": 4.0}
 
     monkeypatch.setattr(train, "train", interrupted)

@@ -95,11 +95,11 @@ def test_every_request_scores_as_lm_evals_hf_backend_does(tmp_path, bpe_dataset,
     from lm_eval.evaluator import simple_evaluate
 
     import harness
-    from checkpoint import model_and_tokenizer
+    from checkpoint import load_any
 
     out, hf_dir = trained_and_exported(tmp_path, bpe_dataset, arch)
     _, tasks = task_folder
-    model, tokenizer, _ = model_and_tokenizer("resume", str(out))
+    model, tokenizer, _ = load_any(str(out))
     lm = harness.GPTHarness(model.eval(), tokenizer, "cpu", batch_size=5, context=torch.autocast("cpu", enabled=False))
     ours = harness.run_tasks(lm, tasks, task_manager=manager, log_samples=True)
     theirs = simple_evaluate(model="hf", model_args={"pretrained": str(hf_dir), "dtype": "float32", "device": "cpu"},

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, Sampling
 
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers (requirements-dev.txt)")
 
@@ -59,7 +59,7 @@ def test_gpt2_logits_and_greedy(tmp_path, idx):
     ours = GPT.from_pretrained(str(tmp_path)).eval()
     assert ours.config.pos_emb == "learned" and ours.config.tie_embeddings
     assert max_logit_diff(ours, theirs, idx) <= 1e-4
-    assert torch.equal(ours.generate(idx, 30, temperature=0), hf_greedy(theirs, idx, 30))
+    assert torch.equal(ours.generate(idx, 30, Sampling(temperature=0)), hf_greedy(theirs, idx, 30))
 
 
 @pytest.mark.parametrize("tie", [True, False])
@@ -69,7 +69,7 @@ def test_llama_gqa_logits_and_greedy(tmp_path, idx, tie):
     c = ours.config
     assert (c.n_head, c.n_kv_head, c.rope_theta, c.norm_eps, c.tie_embeddings) == (4, 2, 5000.0, 1e-5, tie)
     assert max_logit_diff(ours, theirs, idx) <= 1e-4
-    assert torch.equal(ours.generate(idx, 30, temperature=0), hf_greedy(theirs, idx, 30))
+    assert torch.equal(ours.generate(idx, 30, Sampling(temperature=0)), hf_greedy(theirs, idx, 30))
 
 
 def test_pytorch_model_bin_loads(tmp_path, idx):

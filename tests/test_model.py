@@ -1,4 +1,5 @@
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -6,11 +7,13 @@ import torch.nn.functional as F
 
 from device import estimate_mfu
 from model import (GPT, GPTConfig, KVCache, RotaryPositions, alibi_slopes, filter_logits, gelu_tanh,
-                   gelu_tanh_as_sigmoid, lm_loss, sample_next)
+                   gelu_tanh_as_sigmoid, lm_loss, sample_next, Sampling)
 from optim import adamw_everywhere
 from quantize import Int8Linear, MatVecLinear, for_inference, quantize_int8
 
 SCHEMES = ["learned", "rope", "sinusoidal", "alibi", "none"]
+
+GREEDY = Sampling(temperature=0)
 
 
 def tiny(**overrides):
@@ -83,7 +86,7 @@ def test_tied_and_untied_head():
 
 def test_optimizer_decays_matrices_only():
     model = build(mlp="swiglu", norm="rmsnorm", qk_norm=True)
-    (opt,) = adamw_everywhere(model, {"weight_decay": 0.1, "learning_rate": 1e-3, "beta1": 0.9, "beta2": 0.95}, "cpu")
+    (opt,) = adamw_everywhere(model, SimpleNamespace(weight_decay=0.1, learning_rate=1e-3, beta1=0.9, beta2=0.95), "cpu")
     decay, no_decay = opt.param_groups
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
@@ -187,7 +190,7 @@ def test_cached_generation_equals_uncached(pos_emb, qk_norm):
     runs = []
     for use_cache in (True, False):
         g = torch.Generator().manual_seed(123)
-        runs.append(model.generate(prompt, 40, temperature=1.0, top_k=20, use_cache=use_cache, generator=g))
+        runs.append(model.generate(prompt, 40, Sampling(temperature=1.0, top_k=20), use_cache=use_cache, generator=g))
     assert runs[0].shape == (2, 45)
     assert torch.equal(runs[0], runs[1])
     # the cache's last-position logits equal the full forward's
@@ -202,17 +205,17 @@ def test_cached_generation_equals_uncached(pos_emb, qk_norm):
 def test_long_prompt_is_cropped_like_uncached():
     model = build(pos_emb="rope")
     prompt = torch.randint(0, 61, (1, 50))
-    cached = model.generate(prompt, 5, temperature=0)
-    uncached = model.generate(prompt, 5, temperature=0, use_cache=False)
+    cached = model.generate(prompt, 5, GREEDY)
+    uncached = model.generate(prompt, 5, GREEDY, use_cache=False)
     assert torch.equal(cached, uncached) and torch.equal(cached[:, :50], prompt)
 
 
 def test_eos_rows_stop_and_pad():
     model = build()
     prompt = torch.randint(0, 61, (3, 4))
-    free = model.generate(prompt, 12, temperature=0)
+    free = model.generate(prompt, 12, GREEDY)
     eos = int(free[1, 6])  # the token row 1 emits at its third step
-    stopped = model.generate(prompt, 12, temperature=0, eos_token_id=eos)
+    stopped = model.generate(prompt, 12, GREEDY, eos_token_id=eos)
     for row in range(3):  # every row is either still free-running or padded with eos after its first eos
         hits = (free[row, 4 : stopped.size(1)] == eos).nonzero()
         end = hits[0].item() + 5 if len(hits) else stopped.size(1)
@@ -223,15 +226,15 @@ def test_eos_rows_stop_and_pad():
 def test_generation_stops_when_all_rows_done():
     model = build()
     prompt = torch.randint(0, 61, (1, 4))
-    first = int(model.generate(prompt, 1, temperature=0)[0, -1])
-    out = model.generate(prompt, 10, temperature=0, eos_token_id=first)
+    first = int(model.generate(prompt, 1, GREEDY)[0, -1])
+    out = model.generate(prompt, 10, GREEDY, eos_token_id=first)
     assert out.shape == (1, 5)
 
 
 def test_greedy_is_temperature_zero():
     model = build()
     prompt = torch.randint(0, 61, (2, 4))
-    out = model.generate(prompt, 6, temperature=0)
+    out = model.generate(prompt, 6, GREEDY)
     idx = prompt
     for _ in range(6):
         idx = torch.cat([idx, model(idx)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
@@ -251,7 +254,7 @@ def test_greedy_is_temperature_zero():
 def test_bad_sampling_arguments(kwargs, message):
     args = dict(max_new_tokens=3) | kwargs
     with pytest.raises(ValueError) as err:
-        build().generate(torch.zeros(1, 2, dtype=torch.long), **args)
+        build().generate(torch.zeros(1, 2, dtype=torch.long), args.pop("max_new_tokens"), Sampling(**args))
     assert message in str(err.value)
 
 
@@ -278,7 +281,7 @@ def test_top_p_keeps_smallest_nucleus():
 def test_sampling_follows_filtered_distribution():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(4000, 1)
     g = torch.Generator().manual_seed(0)
-    draws = sample_next(logits, temperature=1.0, top_k=2, generator=g)[:, 0]
+    draws = sample_next(logits, Sampling(temperature=1.0, top_k=2), g)[:, 0]
     assert set(draws.tolist()) == {2, 3}
     share = (draws == 3).float().mean().item()
     assert share == pytest.approx(math.e / (1 + math.e), abs=0.03)
@@ -304,7 +307,7 @@ def test_estimate_mfu():
 
 
 def test_recorded_attention_logit_is_the_largest_causal_score():
-    from model import recording_max_attention_logit
+    from train import recording_max_attention_logit
 
     model = build(n_layer=1, pos_emb="rope")
     idx = torch.randint(0, 61, (2, 12))
@@ -412,5 +415,5 @@ def test_int8_model_stays_close_to_the_float_model(arch):
         for rows in (idx, idx[:1, :8]):  # the prefill path, then the int8 kernel
             error = (quantized(rows)[0] - reference[: rows.size(0), : rows.size(1)]).abs().max()
             assert error < 0.1 * reference.std(), (error, reference.std())
-    tokens = quantized.generate(idx[:1, :4], 10, temperature=0)
+    tokens = quantized.generate(idx[:1, :4], 10, GREEDY)
     assert tokens.shape == (1, 14) and tokens.max() < 100

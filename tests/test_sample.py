@@ -1,7 +1,7 @@
 import pytest
 
 import sample
-from checkpoint import model_and_tokenizer
+from checkpoint import load_any
 from conftest import run_script
 
 
@@ -9,12 +9,12 @@ def sample_config(**overrides):
     c = {k.name: k.default for k in sample.keys_of(sample.SampleConfig)}
     c.update(max_new_tokens=40, num_samples=1, device="cpu")
     c.update(overrides)
-    return c
+    return sample.SampleConfig(**c)
 
 
 @pytest.fixture(scope="module")
 def loaded(trained_run):
-    model, tokenizer, _ = model_and_tokenizer("resume", trained_run)
+    model, tokenizer, _ = load_any(trained_run)
     return model.eval(), tokenizer
 
 

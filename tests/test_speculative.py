@@ -10,9 +10,12 @@ import sys
 import pytest
 import torch
 
-import model as model_module
+import speculative
 from conftest import ROOT, TINY_RUN, run_script
-from model import GPT, GPTConfig, ModelDraft, NgramDraft
+from model import GPT, GPTConfig, Sampling
+from speculative import ModelDraft, NgramDraft
+
+GREEDY = Sampling(temperature=0)
 
 
 def tiny(seed, vocab=13, block_size=24, scale=1.0, **overrides):
@@ -37,7 +40,7 @@ def first_layer_of(target, block_size=16):
 
 
 def plain(target, prompt, n):
-    return target.generate(prompt, n, temperature=0).tolist()
+    return target.generate(prompt, n, GREEDY).tolist()
 
 
 @pytest.mark.parametrize("pos_emb", ["learned", "rope", "sinusoidal", "alibi", "none"])
@@ -45,13 +48,13 @@ def test_greedy_speculation_is_token_identical_to_greedy_generate(pos_emb):
     """Random weights, GQA, every position scheme; past block_size (24 positions, 10 + 40 tokens); k = 1..8,
     with a model draft and with prompt lookup; the drafts are both accepted and rejected."""
     target = tiny(0, pos_emb=pos_emb, scale=10.0)
-    drafts = {"model": lambda: ModelDraft(first_layer_of(target)), "ngram": NgramDraft}
+    drafts = {"model": lambda k: ModelDraft(first_layer_of(target), k), "ngram": NgramDraft}
     prompt = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
     expected = plain(target, prompt, 40)
     accepted = proposed = 0
     for (name, make), k in itertools.product(drafts.items(), (1, 2, 4, 8)):
-        draft = make()
-        assert target.generate(prompt, 40, temperature=0, draft=draft, num_draft=k).tolist() == expected, (name, k)
+        draft = make(k)
+        assert speculative.generate(target, prompt, 40, GREEDY, draft).tolist() == expected, (name, k)
         accepted, proposed = accepted + draft.accepted, proposed + draft.proposed
     assert 0 < accepted < proposed, (accepted, proposed)  # drafts kept, and drafts rolled back
 
@@ -71,32 +74,37 @@ def test_greedy_speculation_with_a_trained_pair(trained_run, draft_run):
     """The conftest's trained char model as target, draft_run as its draft."""
     from checkpoint import load_model
 
-    target, draft = load_model(trained_run)[0].eval(), ModelDraft(load_model(draft_run)[0].eval())
+    target, draft_model = load_model(trained_run)[0].eval(), load_model(draft_run)[0].eval()
     prompt = torch.tensor([[5, 6, 7, 1]])
     expected = plain(target, prompt, 60)
+    accepted = 0
     for k in (1, 2, 4, 8):
-        assert target.generate(prompt, 60, temperature=0, draft=draft, num_draft=k).tolist() == expected
-        assert target.generate(prompt, 60, temperature=0, draft=NgramDraft(), num_draft=k).tolist() == expected
-    assert draft.accepted > 0
+        draft = ModelDraft(draft_model, k)
+        assert speculative.generate(target, prompt, 60, GREEDY, draft).tolist() == expected
+        assert speculative.generate(target, prompt, 60, GREEDY, NgramDraft(k)).tolist() == expected
+        accepted += draft.accepted
+    assert accepted > 0
 
 
 def test_a_batch_runs_row_by_row_and_stops_at_eos():
     target = tiny(0)
     prompts = torch.tensor([[3, 1, 4], [2, 7, 1], [9, 9, 9]])
     eos = plain(target, prompts[:1], 6)[0][-1]  # row 0 emits it: that row ends early, the others are padded
-    expected = target.generate(prompts, 20, temperature=0, eos_token_id=eos)
-    assert torch.equal(target.generate(prompts, 20, temperature=0, eos_token_id=eos, draft=NgramDraft()), expected)
+    expected = target.generate(prompts, 20, GREEDY, eos_token_id=eos)
+    assert torch.equal(speculative.generate(target, prompts, 20, GREEDY, NgramDraft(), eos_token_id=eos), expected)
 
 
 def test_bad_drafts_are_refused():
     target = tiny(0)
     prompt = torch.tensor([[1, 2, 3]])
     with pytest.raises(ValueError, match="the draft's vocabulary has 17 tokens and the target's 13"):
-        target.generate(prompt, 5, draft=ModelDraft(tiny(1, vocab=17)))
+        speculative.generate(target, prompt, 5, Sampling(), ModelDraft(tiny(1, vocab=17)))
     with pytest.raises(ValueError, match="num_draft=0 must be >= 1"):
-        target.generate(prompt, 5, draft=NgramDraft(), num_draft=0)
+        NgramDraft(num_draft=0)
+    with pytest.raises(ValueError, match="num_draft=-1 must be >= 1"):
+        ModelDraft(tiny(1), num_draft=-1)
     with pytest.raises(ValueError, match="speculative decoding streams one row"):
-        next(target.stream(torch.tensor([[1], [2]]), 5, draft=NgramDraft()))
+        next(speculative.stream(target, torch.tensor([[1], [2]]), 5, Sampling(), NgramDraft()))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -129,8 +137,8 @@ def chi_square_p(counts, probs):
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def accept_every_draft(logits, drafts, q, temperature, top_k=None, top_p=None, generator=None):
-    p = model_module.token_probs(logits, temperature, top_k, top_p)
+def accept_every_draft(logits, drafts, q, sampling, generator=None):
+    p = sampling.probs(logits)
     return drafts.tolist() + [int(torch.multinomial(p[-1], 1, generator=generator))]
 
 
@@ -145,18 +153,18 @@ def one_thread():
 @pytest.mark.slow
 @pytest.mark.parametrize("rule", ["leviathan", "broken"])
 def test_sampled_tokens_follow_the_targets_exact_distribution(monkeypatch, one_thread, rule):
-    target, draft = small(0), ModelDraft(small(1))
+    target, draft = small(0), ModelDraft(small(1), num_draft=3)
     with torch.no_grad():
         exact = exact_distributions(target)
         drafted = torch.softmax(draft.model(torch.tensor([PROMPT]))[0][0, -1].double(), -1)
     assert (exact[1] - drafted).abs().sum() > 0.3  # the draft's first-token distribution is far from the target's
     if rule == "broken":
-        monkeypatch.setattr(model_module, "accept_drafts", accept_every_draft)
+        monkeypatch.setattr(speculative, "accept_drafts", accept_every_draft)
     counts = {n: torch.zeros(VOCAB, dtype=torch.float64) for n in exact}
     prompt = torch.tensor([PROMPT])
     for seed in range(RUNS):
-        out = target.generate(prompt, 5, temperature=1.0, draft=draft, num_draft=3,
-                              generator=torch.Generator().manual_seed(seed))[0, len(PROMPT) :]
+        out = speculative.generate(target, prompt, 5, Sampling(temperature=1.0), draft,
+                                   generator=torch.Generator().manual_seed(seed))[0, len(PROMPT) :]
         for n in counts:
             counts[n][out[n - 1]] += 1
     p_values = {n: chi_square_p(counts[n], exact[n]) for n in counts}
@@ -177,8 +185,8 @@ def test_a_certain_proposal_keeps_the_targets_distribution():
     counts = {rule: torch.zeros(6, dtype=torch.float64) for rule in ("leviathan", "broken")}
     for seed in range(RUNS):
         generator = torch.Generator().manual_seed(seed)
-        counts["leviathan"][model_module.accept_drafts(logits, torch.tensor([drafted]), None, 1.0, generator=generator)[0]] += 1
-        counts["broken"][accept_every_draft(logits, torch.tensor([drafted]), None, 1.0, generator=generator)[0]] += 1
+        counts["leviathan"][speculative.accept_drafts(logits, torch.tensor([drafted]), None, Sampling(), generator)[0]] += 1
+        counts["broken"][accept_every_draft(logits, torch.tensor([drafted]), None, Sampling(), generator)[0]] += 1
     assert chi_square_p(counts["leviathan"], p) > 1e-3 and chi_square_p(counts["broken"], p) < 1e-3
 
 

@@ -1,4 +1,5 @@
 import math
+from dataclasses import replace
 import os
 import signal
 import subprocess
@@ -98,7 +99,7 @@ def test_config_file_then_overrides_in_order(tmp_path):
 
 
 def test_learning_rate_schedule():
-    c = dict(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, max_iters=200)
+    c = train.TrainConfig(learning_rate=1.0, min_lr=0.1, warmup_iters=10, lr_decay_iters=110, max_iters=200)
     assert optim.get_lr(0, c) == pytest.approx(1 / 11)  # not zero at step 0
     assert optim.get_lr(4, c) == pytest.approx(5 / 11)
     assert optim.get_lr(10, c) == pytest.approx(1.0)  # peak right after warmup
@@ -106,7 +107,7 @@ def test_learning_rate_schedule():
     assert optim.get_lr(85, c) == pytest.approx(0.1 + 0.45 * (1 + math.cos(math.pi * 0.75)))
     assert optim.get_lr(110, c) == pytest.approx(0.1)
     assert optim.get_lr(150, c) == pytest.approx(0.1)
-    assert optim.get_lr(50, dict(c, lr_decay_iters=None)) == pytest.approx(
+    assert optim.get_lr(50, replace(c, lr_decay_iters=None)) == pytest.approx(
         0.1 + 0.45 * (1 + math.cos(math.pi * 40 / 190)))  # None decays over max_iters
 
 
