@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from checkpoint import CHECKPOINT, load_checkpoint, read_metrics, tokens_per_step
 from configurator import ConfigError, UserError, checked, cli_main, parse_config, parse_dict, read_config_file
 from model import GPT, GPTConfig, model_config
-from plot import line_style, pyplot
+from plot import line_style, pyplot, save
 import train
 
 
@@ -181,11 +181,7 @@ def plot(rows, root, title):
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, never over a curve
-    fig.tight_layout()
-    path = os.path.join(root, "loss_curves.png")
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save(plt, fig, os.path.join(root, "loss_curves.png"))
 
 
 def main(argv=None):

@@ -389,16 +389,35 @@ class Block(nn.Module):
 # KV cache and sampling
 
 
+class LayerKV:
+    """One layer's keys and values, preallocated for max_len positions on the first write (which also
+    fixes their dtype: the dtype the model computes in, autocast included)."""
+
+    def __init__(self, max_len):
+        self.max_len, self.k, self.v = max_len, None, None
+
+    def update(self, start, k, v):
+        """Writes k, v (B, H, T, D) at positions start.. and returns every key and value up to them."""
+        if self.k is None:
+            B, H, _, D = k.shape
+            self.k = k.new_empty(B, H, self.max_len, D)  # only written positions are read
+            self.v = v.new_empty(B, H, self.max_len, D)
+        end = start + k.size(2)
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; writing up to {end}")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
 class KVCache:
-    """Keys and values of every layer, preallocated for max_len positions on the first write (which
-    also fixes their dtype: the dtype the model computes in, autocast included). Each layer writes and
-    reads its slot through update(); the model advances the length once every layer has written;
+    """The cache of every layer (layers[i], a LayerKV each) and the length they share. Each attention layer
+    writes and reads its own through update(); the model advances the length once all have written;
     rewind(n) keeps the first n positions (speculative decoding drops rejected drafts so). Another kind of
-    cache (a rolling window, a recurrent state) stands in for this one by offering the same operations."""
+    layer cache (a rolling window, a recurrent state) stands in for a LayerKV by offering its update()."""
 
     def __init__(self, n_layer, max_len):
-        self.n_layer, self.max_len = n_layer, max_len
-        self.k = self.v = None
+        self.layers = [LayerKV(max_len) for _ in range(n_layer)]
         self._length = 0
 
     @property
@@ -407,16 +426,7 @@ class KVCache:
         return self._length
 
     def update(self, layer, k, v):
-        if self.k is None:
-            B, H, _, D = k.shape
-            self.k = k.new_empty(self.n_layer, B, H, self.max_len, D)  # only written positions are read
-            self.v = v.new_empty(self.n_layer, B, H, self.max_len, D)
-        end = self._length + k.size(2)
-        if end > self.max_len:
-            raise ValueError(f"KV cache holds {self.max_len} positions; writing up to {end}")
-        self.k[layer, :, :, self._length : end] = k
-        self.v[layer, :, :, self._length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        return self.layers[layer].update(self._length, k, v)
 
     def advance(self, n):
         self._length += n

@@ -30,6 +30,14 @@ def pyplot():
     return plt
 
 
+def save(plt, fig, path):
+    """Lays the figure out, writes it to path and frees it; returns path."""
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
 def line_style(i):
     return STYLES[i // 10 % len(STYLES)]
 
@@ -86,10 +94,7 @@ def draw(runs, path):
         if log:
             ax.set_yscale("log")
     axes[0, 0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save(plt, fig, path)
 
 
 def main(argv=None):

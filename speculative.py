@@ -175,12 +175,17 @@ def stream(model, idx, max_new_tokens, sampling, draft, eos_token_id=None, gener
     if idx.size(0) != 1:
         raise ValueError("speculative decoding streams one row with the KV cache; generate() runs a batch row by row")
     draft.check(model.config)
-    one = generator[0] if isinstance(generator, (list, tuple)) else generator
+    one = row_generator(generator, 0)
 
     def step(seq, length, end, cache):
         return draft.step(model, seq, length, end, cache, sampling, one)
 
     return model.stream(idx, max_new_tokens, sampling, eos_token_id, True, generator, step=step)
+
+
+def row_generator(generator, i):
+    """Row i's generator, from None, one shared torch.Generator or a list of one per row."""
+    return generator[i] if isinstance(generator, (list, tuple)) else generator
 
 
 @torch.no_grad()
@@ -189,8 +194,8 @@ def generate(model, idx, max_new_tokens, sampling, draft, eos_token_id=None, gen
     different numbers of tokens per step; a row that stopped early is padded with eos_token_id."""
     rows = []
     for i in range(idx.size(0)):
-        row_generator = generator[i] if isinstance(generator, (list, tuple)) else generator
-        columns = stream(model, idx[i : i + 1], max_new_tokens, sampling, draft, eos_token_id, row_generator)
-        rows.append(torch.cat([idx[i : i + 1], *columns], dim=1))
+        row = idx[i : i + 1]
+        rows.append(torch.cat([row, *stream(model, row, max_new_tokens, sampling, draft, eos_token_id,
+                                            row_generator(generator, i))], dim=1))
     width = max(row.size(1) for row in rows)
     return torch.cat([F.pad(row, (0, width - row.size(1)), value=eos_token_id or 0) for row in rows])
