@@ -102,6 +102,11 @@ def load_any(spec):
     return model, tokenizer_from_meta(state["tokenizer"]), state
 
 
+def model_spec(init_from, out_dir):
+    """The load_any spec of sample.py's and eval.py's init_from and out_dir keys: resume means out_dir."""
+    return out_dir if init_from == "resume" else init_from
+
+
 def tokens_per_step(c):
     """Tokens one optimizer step trains on, over all processes: from a training config (or a saved one)."""
     return c.batch_size * c.block_size * c.gradient_accumulation_steps
