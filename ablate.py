@@ -12,16 +12,25 @@ A study file is a Python file that assigns:
   tokens   = 2_000_000   (optional) a token budget instead of max_iters: each variant then runs
                          tokens // (batch_size * block_size * gradient_accumulation_steps) steps
   targets  = [1.8, 1.6]  (optional) also tabulate the steps each variant needs to reach these val losses
+  continue_from = {"variant": "earlier variant"}   (optional) the variant starts from the earlier one's
+                         final checkpoint (same seed) and resumes with its own keys: a fine-tune, at a longer
+                         block_size say (train.py --init_from=resume)
+  eval_lengths = [128, 256, 512]   (optional) score every run's final model on the whole val split at each
+                         of these contexts (eval.py --block_size), tabulated and plotted as val bits per byte
+  eval_as  = {"row": ("variant", {"rope_scaling": "linear", "rope_factor": 4.0})}   (optional) eval_lengths
+                         rows of a variant's models run with other RoPE scaling, without training
 Every variant's keys are checked before anything trains. A finished run is not run again; an interrupted
-one resumes. Results: out_dir/results.md and out_dir/loss_curves.png (needs matplotlib).
+one resumes. Results: out_dir/results.md, out_dir/loss_curves.png and out_dir/lengths.png (matplotlib).
 """
 
+import json
 import os
+import shutil
 import statistics
 import sys
 from dataclasses import dataclass, replace
 
-from checkpoint import CHECKPOINT, load_checkpoint, read_metrics, tokens_per_step
+from checkpoint import CHECKPOINT, METRICS, load_checkpoint, read_metrics, tokens_per_step
 from configurator import ConfigError, UserError, checked, cli_main, parse_config, parse_dict, read_config_file
 from model import GPT, GPTConfig, model_config
 from plot import line_style, pyplot, save
@@ -35,7 +44,9 @@ class AblateConfig:
     wandb_project: str = "smallgpt-ablations"
 
 
-STUDY_KEYS = ("base", "variants", "seeds", "tokens", "targets", "title", "notes")
+STUDY_KEYS = ("base", "variants", "seeds", "tokens", "targets", "title", "notes", "continue_from", "eval_lengths",
+              "eval_as")
+EVAL_AS_KEYS = ("rope_scaling", "rope_factor")
 
 
 def load_study(path):
@@ -64,15 +75,27 @@ def load_study(path):
             raise ConfigError(f"{path}: variant {name!r}: {e}") from None
         for seed in seeds:
             runs.append((name, seed, replace(c, seed=seed), explicit | {"seed", "max_iters"}))
+    names = list(study["variants"])
+    for name, parent in study.get("continue_from", {}).items():
+        if name not in names or parent not in names or names.index(parent) >= names.index(name):
+            raise ConfigError(f"{path}: continue_from {name!r}: {parent!r} must be a variant listed before it")
+    for row, (variant, keys) in study.get("eval_as", {}).items():
+        if variant not in names or set(keys) - set(EVAL_AS_KEYS):
+            raise ConfigError(f"{path}: eval_as {row!r}: a variant and keys among {', '.join(EVAL_AS_KEYS)}")
     return runs, study
 
 
-def run_one(c, explicit, out_dir, wandb):
-    """Trains one variant x seed (resuming it if it was interrupted); returns 'done' or 'diverged'."""
+def run_one(c, explicit, out_dir, wandb, parent=None):
+    """Trains one variant x seed (resuming it if it was interrupted; from a copy of parent's final
+    checkpoint, a run directory, where given); returns 'done' or 'diverged'."""
     ckpt_path = os.path.join(out_dir, CHECKPOINT)
     marker = os.path.join(out_dir, "diverged")
-    if os.path.exists(marker):
+    if os.path.exists(marker) or (parent and os.path.exists(os.path.join(parent, "diverged"))):
         return "diverged"
+    if parent and not os.path.exists(ckpt_path):  # the fine-tune starts where the parent ended
+        os.makedirs(out_dir, exist_ok=True)
+        for name in (METRICS, CHECKPOINT):  # the checkpoint last: a copy cut short leaves none
+            shutil.copyfile(os.path.join(parent, name), os.path.join(out_dir, name))
     if os.path.exists(ckpt_path):
         if load_checkpoint(ckpt_path)["iter_num"] >= c.max_iters:
             return "done"
@@ -117,6 +140,72 @@ def summarize(runs, root):
     return rows
 
 
+def length_scores(run_dir, lengths, keys=None):
+    """{length: val bits per byte} of run_dir's final model at each context (eval.py's evaluate, the whole
+    val split), keys: RoPE scaling to run it with. Kept in run_dir/lengths.json: a finished score is not
+    computed again."""
+    import eval as evaluation  # the scoring of eval.py, as train is the training of train.py
+
+    cache_path = os.path.join(run_dir, "lengths.json")
+    cache = {}
+    if os.path.exists(cache_path):
+        with open(cache_path) as f:
+            cache = json.load(f)
+    scores = {}
+    for length in lengths:
+        key = f"{length} {json.dumps(keys or {}, sort_keys=True)}"
+        if key not in cache:
+            c = evaluation.EvalConfig(out_dir=run_dir, block_size=length, **(keys or {}))
+            cache[key] = evaluation.evaluate(c)["bits_per_byte"]
+            with open(cache_path, "w") as f:
+                json.dump(cache, f, indent=1)
+        scores[length] = cache[key]
+    return scores
+
+
+def length_rows(runs, root, study):
+    """row name -> {length: [bpb per seed]} for every variant and eval_as row."""
+    lengths = study.get("eval_lengths") or []
+    rows = {}
+    for name, seed, _, _ in runs:
+        run_dir = os.path.join(root, name, f"seed{seed}")
+        if os.path.exists(os.path.join(run_dir, "diverged")):
+            continue
+        targets = [(name, None)] + [(row, keys) for row, (variant, keys) in study.get("eval_as", {}).items()
+                                    if variant == name]
+        for row, keys in targets:
+            for length, bpb in length_scores(run_dir, lengths, keys).items():
+                rows.setdefault(row, {}).setdefault(length, []).append(bpb)
+    return rows
+
+
+def write_length_table(rows, lengths):
+    lines = ["", "Val bits per byte of the final models at each evaluation context (whole val split, eval.py "
+             "--block_size; mean ± std over seeds):", "",
+             "| variant | " + " | ".join(f"{n}" for n in lengths) + " |", "| --- |" + " --- |" * len(lengths)]
+    for name, by_length in rows.items():
+        lines.append(f"| {name} | " + " | ".join(mean_std(by_length[n]) for n in lengths) + " |")
+    return lines
+
+
+def plot_lengths(rows, root, title):
+    plt = pyplot()
+    if plt is None or not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(8.5, 4.2), dpi=100)
+    for i, (name, by_length) in enumerate(rows.items()):
+        lengths = sorted(by_length)
+        ax.plot(lengths, [statistics.mean(by_length[n]) for n in lengths], marker="o", label=name,
+                linestyle=line_style(i))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("evaluation context (tokens)")
+    ax.set_ylabel("val bits per byte (mean over seeds)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return save(plt, fig, os.path.join(root, "lengths.png"))
+
+
 def steps_to_reach(runs, target):
     steps = [next((r["iter"] for r in evals if r["val_loss"] <= target), None) for evals in runs]
     return "-" if not steps or None in steps else f"{statistics.median(steps):g}"
@@ -130,7 +219,7 @@ def mean_std(values):
     return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
 
 
-def write_results(rows, root, study, path, n_seeds):
+def write_results(rows, root, study, path, n_seeds, lengths=None):
     lines = [f"# {study.get('title', os.path.basename(path))}", "",
              f"`python ablate.py {path}`: {n_seeds} seed(s) per variant; val loss as mean ± std over seeds.", "",
              "| variant | parameters | final val loss | best val loss | final val bits per byte | tokens/s | diverged |",
@@ -156,6 +245,8 @@ def write_results(rows, root, study, path, n_seeds):
             logit = mean_std([r["max_attn_logit"] for r in last]) if last else "-"
             log_z = mean_std([r["mean_log_z"] for r in last]) if last else "-"
             lines.append(f"| {name} | {logit} | {log_z} |")
+    if lengths:
+        lines += write_length_table(lengths, study["eval_lengths"])
     text = "\n".join(lines) + "\n"
     with open(os.path.join(root, "results.md"), "w") as f:
         f.write(text)
@@ -203,14 +294,19 @@ def run_study(argv):
         wandb = {"wandb_log": True, "wandb_project": c.wandb_project,
                  "wandb_run_name": f"{name}/{variant}/seed{seed}"} if c.wandb_log else {}
         print(f"[{i + 1}/{len(runs)}] {variant} seed {seed}", flush=True)
+        parent = study.get("continue_from", {}).get(variant)
         try:
-            status = run_one(values, explicit, os.path.join(root, variant, f"seed{seed}"), wandb)
+            status = run_one(values, explicit, os.path.join(root, variant, f"seed{seed}"), wandb,
+                             parent and os.path.join(root, parent, f"seed{seed}"))
         except UserError as e:
             raise ConfigError(f"variant {variant!r} seed {seed}: {e}") from None
         print(f"[{i + 1}/{len(runs)}] {variant} seed {seed}: {status}", flush=True)
     rows = summarize(runs, root)
-    print(write_results(rows, root, study, path, len(study.get("seeds", [1337]))))
+    lengths = length_rows(runs, root, study) if study.get("eval_lengths") else None
+    print(write_results(rows, root, study, path, len(study.get("seeds", [1337])), lengths))
     plot(rows, root, study.get("title", name))
+    if lengths:
+        plot_lengths(lengths, root, study.get("title", name))
 
 
 if __name__ == "__main__":

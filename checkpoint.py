@@ -16,10 +16,12 @@ import pickle
 import socket
 import time
 import zipfile
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
-from configurator import UserError
+from configurator import UserError, checked
 from dataset import atomic_write, tokenizer_from_meta
 from hf import GPT2_HUB_NAMES, pretrained_tokenizer
 from model import GPT, GPTConfig
@@ -100,6 +102,24 @@ def load_any(spec):
         return model, pretrained_tokenizer(spec, model), None
     model, state = load_model(spec)
     return model, tokenizer_from_meta(state["tokenizer"]), state
+
+
+@dataclass
+class ContextKeys:
+    """Keys of eval.py and sample.py: run the model at another context than the one it was trained at."""
+
+    CHOICES = {"rope_scaling": ("", "none", "linear", "yarn")}
+
+    block_size: int = 0  # context in tokens; past the trained one for rope, alibi, t5, none, sinusoidal (not learned); 0 = the model's
+    rope_scaling: str = ""  # none | linear | yarn: RoPE's scaling for this run; "" = the model's
+    rope_factor: Optional[float] = None  # rope_scaling's factor; None = the model's
+
+
+def set_context(model, c):
+    """The model at the context c's ContextKeys ask for; a ConfigError where it cannot run so."""
+    if c.block_size or c.rope_scaling or c.rope_factor is not None:
+        checked(model.set_context, c.block_size or None, c.rope_scaling or None, c.rope_factor)
+    return model
 
 
 def model_spec(init_from, out_dir):

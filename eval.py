@@ -29,14 +29,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from checkpoint import load_any, model_spec
+from checkpoint import ContextKeys, load_any, model_spec, set_context
 from configurator import ConfigError, cli_main, keys_of, parse_config
 from dataset import DataError, hub_offline, hub_reachable, open_split, read_meta, resolve_dataset, write_json
 from device import COMPUTE_DTYPES, DEVICES, autocast, pick_device, pick_dtype
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(ContextKeys):
     out_dir: str = "out"  # the training run whose ckpt.pt to score (init_from=resume)
     init_from: str = "resume"  # resume (out_dir/ckpt.pt) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a Hugging Face model directory
     dataset: str = ""  # a prepared dataset; empty = the one the checkpoint was trained on
@@ -53,7 +53,8 @@ class EvalConfig:
     json: str = ""  # also write the results to this JSON file
 
 
-EVAL_CHOICES = {"device": DEVICES, "dtype": COMPUTE_DTYPES, "split": ("val", "train")}
+EVAL_CHOICES = {"device": DEVICES, "dtype": COMPUTE_DTYPES, "split": ("val", "train"),
+                **ContextKeys.CHOICES}
 
 
 def windows(n_tokens, block_size, stride):
@@ -122,6 +123,7 @@ def load_tokens(c, tokenizer, meta):
 def evaluate(c):
     """Loss, perplexity and bits per byte of a whole split or text file."""
     model, tokenizer, state = load_any(model_spec(c.init_from, c.out_dir))
+    set_context(model, c)
     if not hasattr(tokenizer, "token_bytes"):
         raise DataError(f"init_from={c.init_from}: its tokenizer.json gives no per-token byte counts, which bits "
                         "per byte needs; score it with --tasks, or a GPT-2 (tiktoken) or char model")
@@ -178,6 +180,7 @@ def run_tasks(c):
         raise ConfigError(f"include_path={c.include_path}: not a folder (it should hold task YAML files)")
     harness = import_harness()
     model, tokenizer, _ = load_any(model_spec(c.init_from, c.out_dir))
+    set_context(model, c)
     device = pick_device(c.device)
     dtype = pick_dtype(c.dtype, torch.device(device).type)
     lm = harness.GPTHarness(model.to(device).eval(), tokenizer, device, c.batch_size,
@@ -189,7 +192,7 @@ def run_tasks(c):
 def main(argv=None):
     def command(argv):
         c, _ = parse_config(EvalConfig, argv, "python eval.py --out_dir=DIR [--key=value ...]",
-                            __doc__.strip().splitlines()[0], keys_of(EvalConfig, EVAL_CHOICES))
+                            __doc__.strip().splitlines()[0], keys_of(EvalConfig, EVAL_CHOICES, base=ContextKeys))
         if c.batch_size < 1:
             raise ConfigError(f"batch_size={c.batch_size} must be >= 1")
         result = run_tasks(c) if c.tasks else evaluate(c)

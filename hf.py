@@ -222,15 +222,20 @@ def llama_config(hf, directory):
         raise PretrainedError(f"{directory}: Llama with attention_bias/mlp_bias is not supported")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise PretrainedError(f"{directory}: RoPE scaling {rope_type!r} is not supported (plain RoPE only)")
+    scaling = {"default": "none", "linear": "linear", "yarn": "yarn"}.get(rope_type)
+    extras = set(rope) - {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings"}
+    if scaling is None or extras:
+        raise PretrainedError(f"{directory}: RoPE {rope_type!r} with {sorted(extras) or 'these settings'} is not "
+                              "supported (plain, linear and yarn with its default betas and attention factor)")
     n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim", n_embd // n_head) != n_embd // n_head:
         raise PretrainedError(f"{directory}: head_dim={hf['head_dim']} != hidden_size/num_attention_heads")
     return GPTConfig(
         block_size=hf["max_position_embeddings"], vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"],
         n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd, bias=False,
-        pos_emb="rope", rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)), norm="rmsnorm",
+        pos_emb="rope", rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)), rope_scaling=scaling,
+        rope_factor=float(rope.get("factor") or 1.0) if scaling != "none" else 1.0,
+        trained_block_size=rope.get("original_max_position_embeddings"), norm="rmsnorm",
         norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu", mlp_hidden=hf["intermediate_size"],
         tie_embeddings=hf.get("tie_word_embeddings", False),
     )
@@ -284,10 +289,18 @@ def llama_hf_config(config):
         "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
         "num_key_value_heads": config.n_kv_head, "head_dim": config.n_embd // config.n_head,
         "max_position_embeddings": config.block_size, "rms_norm_eps": config.norm_eps,
-        "rope_theta": config.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_theta": config.rope_theta, "rope_parameters": llama_rope_parameters(config),
         "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "attention_dropout": config.dropout,
         "tie_word_embeddings": config.tie_embeddings, "dtype": "float32",
     }  # fmt: skip
+
+
+def llama_rope_parameters(config):
+    """Llama's rope_parameters (transformers 5's name for rope_scaling) for our RoPE and its scaling."""
+    if config.rope_scaling == "none":
+        return {"rope_type": "default", "rope_theta": config.rope_theta}
+    return {"rope_type": config.rope_scaling, "rope_theta": config.rope_theta, "factor": config.rope_factor,
+            "original_max_position_embeddings": config.trained_block_size or config.block_size}
 
 
 HF_FAMILIES = {

@@ -2,7 +2,7 @@
 A GPT language model: the network, its KV cache and its sampling loop.
 
 Features (each chosen once, in GPTConfig):
-- positions: learned | rope | sinusoidal | alibi | none
+- positions: learned | rope (linear or YaRN scaling) | sinusoidal | alibi | t5 | none
 - norm: layernorm | rmsnorm, pre-norm blocks, optional QK-norm
 - mlp: gelu (GPT-2's tanh GELU) | swiglu | relu2
 - grouped-query attention (n_kv_head < n_head), through F.scaled_dot_product_attention,
@@ -11,20 +11,22 @@ Features (each chosen once, in GPTConfig):
 - forward_cached(): the one way through a preallocated KV cache (prompt, then a token per step);
   generate() and stream() around it: temperature, top-k, top-p, stop token, one generator per row
 
-Reads top to bottom: config, norms, positions, attention, MLPs, block, KV cache, sampling, model.
-Elsewhere: Hugging Face conversion (hf.py, behind from_pretrained/save_pretrained), inference weight
+Reads top to bottom: config, norms, attention, MLPs, block, KV cache, sampling, model. The position
+schemes are a registry of their own (positions.py). Elsewhere: Hugging Face conversion (hf.py, behind from_pretrained/save_pretrained), inference weight
 formats (quantize.py), speculative decoding (speculative.py), optimizers (optim.py), device and
 precision choices (device.py).
 """
 
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from positions import POSITIONS, LearnedPositions
 
 # ----------------------------------------------------------------------------------------------------
 # Config (the allowed values of its string fields are the registries below: MODEL_CHOICES)
@@ -43,8 +45,13 @@ class ModelKeys:
     n_embd: int = 768
     dropout: float = 0.0
     bias: bool = True  # biases in Linear layers and LayerNorms
-    pos_emb: str = "learned"  # learned | rope | sinusoidal | alibi | none
+    pos_emb: str = "learned"  # learned | rope | sinusoidal | alibi | t5 | none
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"  # none | linear (position interpolation) | yarn: RoPE past the length it was trained at
+    rope_factor: float = 1.0  # rope_scaling's factor: how many times the trained context the positions stretch to
+    trained_block_size: Optional[int] = None  # the context the model was first trained at; None = block_size
+    t5_buckets: int = 32  # pos_emb=t5: offset buckets per head (half exact, half logarithmic)
+    t5_max_distance: int = 128  # pos_emb=t5: offsets from here on share the last bucket
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_eps: float = 1e-5
     mlp: str = "gelu"  # gelu | swiglu | relu2
@@ -84,6 +91,15 @@ class GPTConfig(ModelKeys):
             raise ValueError(f"GPTConfig.z_loss={self.z_loss} must be >= 0 (0 turns it off)")
         if self.norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("GPTConfig.norm_eps and GPTConfig.rope_theta must be > 0")
+        if self.rope_scaling != "none" and self.pos_emb != "rope":
+            raise ValueError(f"GPTConfig.rope_scaling={self.rope_scaling!r} scales RoPE: it needs pos_emb='rope'")
+        if self.rope_factor < 1 or (self.rope_factor != 1 and self.rope_scaling == "none"):
+            raise ValueError(f"GPTConfig.rope_factor={self.rope_factor} must be >= 1, and 1 with rope_scaling='none'")
+        if self.trained_block_size is not None and self.trained_block_size < 1:
+            raise ValueError(f"GPTConfig.trained_block_size={self.trained_block_size} must be a positive integer")
+        if self.t5_buckets < 2 or self.t5_max_distance <= self.t5_buckets // 2:
+            raise ValueError(f"GPTConfig.t5_buckets={self.t5_buckets} must be >= 2 and t5_max_distance="
+                             f"{self.t5_max_distance} above half of it (the exact buckets)")
         if self.mlp_hidden is None:
             self.mlp_hidden = 64 * math.ceil(8 * self.n_embd / 3 / 64) if self.mlp == "swiglu" else 4 * self.n_embd
         if self.mlp_hidden < 1:
@@ -108,123 +124,6 @@ def make_norm(config, dim):
         return nn.RMSNorm(dim, eps=config.norm_eps)
     return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
 
-
-# ----------------------------------------------------------------------------------------------------
-# Position schemes. Each is one small module chosen at construction; the model calls all three hooks
-# and the base class makes each a no-op, so no scheme needs a branch anywhere else.
-#   embed(x, start):              token embeddings of positions start.. -> with absolute positions added
-#   rotate(q, k, start):          queries and keys -> rotated (RoPE)
-#   attn_bias(start, T, kv_len):  an additive (n_head, T, kv_len) bias with the causal mask in it, or None
-
-
-class NoPositions(nn.Module):
-    """No positional information at all (NoPE): the causal mask alone tells tokens apart."""
-
-    def __init__(self, config):
-        super().__init__()
-
-    def embed(self, x, start):
-        return x
-
-    def rotate(self, q, k, start):
-        return q, k
-
-    def attn_bias(self, start, T, kv_len):
-        return None
-
-
-class LearnedPositions(NoPositions):
-    """GPT-2: a trained vector per absolute position."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
-
-    def embed(self, x, start):
-        return x + self.wpe.weight[start : start + x.size(1)]
-
-
-class SinusoidalPositions(NoPositions):
-    """Vaswani et al. (2017): fixed sines and cosines of geometrically spaced frequencies, times one
-    learned scalar initialised to n_embd^-0.5 (Hua et al. 2022's scaled sinusoidal): unscaled, the table's
-    entries (RMS 0.71) would drown token embeddings initialised at std 0.02."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        pos = torch.arange(config.block_size, dtype=torch.float32)[:, None]
-        inv_freq = torch.exp(-math.log(10000.0) * torch.arange(0, config.n_embd, 2) / config.n_embd)
-        table = torch.zeros(config.block_size, config.n_embd)
-        table[:, 0::2] = torch.sin(pos * inv_freq)
-        table[:, 1::2] = torch.cos(pos * inv_freq)
-        self.register_buffer("table", table, persistent=False)
-        self.scale = nn.Parameter(torch.full((1,), config.n_embd**-0.5))
-
-    def embed(self, x, start):
-        return x + self.scale * self.table[start : start + x.size(1)].to(x.dtype)
-
-
-class RotaryPositions(NoPositions):
-    """Su et al. (2021), in Llama's layout: the head is split in two halves rotated against each other,
-    so Hugging Face Llama weights load without permuting rows. Scores depend only on the offset."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        head_dim = config.n_embd // config.n_head
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        freqs = torch.outer(torch.arange(config.block_size, dtype=torch.float32), inv_freq)
-        angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
-
-    def rotate(self, q, k, start):
-        T = q.size(2)
-        cos = self.cos[start : start + T].to(q.dtype)
-        sin = self.sin[start : start + T].to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x, cos, sin):
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class ALiBiPositions(NoPositions):
-    """Press et al. (2022): no embeddings; each head penalises a score linearly in the distance."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
-
-    def attn_bias(self, start, T, kv_len):
-        q_pos = torch.arange(start, start + T, device=self.slopes.device)[:, None]
-        distance = q_pos - torch.arange(kv_len, device=self.slopes.device)[None, :]
-        bias = -self.slopes.float()[:, None, None] * distance  # in fp32 even for bf16 weights: slopes are powers of 2
-        return bias.masked_fill(distance < 0, float("-inf"))
-
-
-def alibi_slopes(n_head):
-    """The paper's slopes: a geometric sequence from 2^(-8/n); for a head count that is not a power of
-    two, the power of two below it plus every other slope of the next power of two."""
-
-    def geometric(n):
-        first = 2.0 ** (-8.0 / n)
-        return [first ** (i + 1) for i in range(n)]
-
-    if math.log2(n_head).is_integer():
-        slopes = geometric(n_head)
-    else:
-        below = 2 ** math.floor(math.log2(n_head))
-        slopes = geometric(below) + geometric(2 * below)[0::2][: n_head - below]
-    return torch.tensor(slopes, dtype=torch.float32)
-
-
-POSITIONS = {
-    "learned": LearnedPositions,
-    "rope": RotaryPositions,
-    "sinusoidal": SinusoidalPositions,
-    "alibi": ALiBiPositions,
-    "none": NoPositions,
-}
 
 # ----------------------------------------------------------------------------------------------------
 # Attention
@@ -365,6 +264,7 @@ MODEL_CHOICES = {
     "norm": ("layernorm", "rmsnorm"),
     "mlp": tuple(MLPS),
     "attn_impl": tuple(ATTENTION),
+    "rope_scaling": ("none", "linear", "yarn"),
 }
 
 
@@ -533,6 +433,29 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+
+    def set_context(self, block_size=None, rope_scaling=None, rope_factor=None):
+        """Runs the model at another context, in place: block_size tokens and, for RoPE, its scaling (None:
+        as it is). The position tables are rebuilt, the weights stay, and the length the model was trained
+        at stays in config.trained_block_size (YaRN extends from it). A ValueError for what cannot be:
+        learned positions past their table, scaling without RoPE."""
+        c = self.config
+        block_size = block_size or c.block_size
+        if c.pos_emb == "learned" and block_size > c.block_size:
+            raise ValueError(f"pos_emb='learned' has a trained vector for each of {c.block_size} positions and none "
+                             f"past them, so it cannot run a context of {block_size}; rope, alibi, t5, none and "
+                             "sinusoidal positions can")
+        rope = {k: v for k, v in (("rope_scaling", rope_scaling), ("rope_factor", rope_factor)) if v is not None}
+        self.config = replace(c, block_size=block_size, trained_block_size=c.trained_block_size or c.block_size, **rope)
+        tensors = [*self.positions.parameters(), *self.positions.buffers()]  # in for_inference's dtype, if any
+        like = tensors[0] if tensors else self.tok_emb.weight
+        positions = POSITIONS[c.pos_emb](self.config).to(device=like.device, dtype=like.dtype)
+        state = self.positions.state_dict()
+        if c.pos_emb == "learned":
+            state["wpe.weight"] = state["wpe.weight"][:block_size]
+        positions.load_state_dict(state)
+        self.positions = positions
+        return self
 
     def get_num_params(self, non_embedding=False):
         """Unique parameters (a tied head counts once). non_embedding drops the position table and, when

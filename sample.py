@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 import speculative
-from checkpoint import load_any, model_spec
+from checkpoint import ContextKeys, load_any, model_spec, set_context
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import DataError
 from device import DEVICES, pick_device, precision
@@ -28,7 +28,7 @@ END_OF_TEXT = "<|endoftext|>"
 
 
 @dataclass
-class SampleConfig:
+class SampleConfig(ContextKeys):
     out_dir: str = "out"  # the training run's directory (init_from=resume)
     init_from: str = "resume"  # resume (out_dir/ckpt.pt) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a Hugging Face model directory
     start: str = "\n"  # the prompt (\n, \t, \\ are a newline, a tab, a backslash), or FILE:path to read it from a file
@@ -46,7 +46,7 @@ class SampleConfig:
     num_draft: Optional[int] = None  # tokens the draft proposes per step; None = 4 for ngram, 2 for a model
 
 
-SAMPLE_CHOICES = {"device": DEVICES, "weights_dtype": WEIGHTS_DTYPES}
+SAMPLE_CHOICES = {"device": DEVICES, "weights_dtype": WEIGHTS_DTYPES, **ContextKeys.CHOICES}
 RENAMED = {"dtype": "weights_dtype"}  # the weight format, named as in bench.py (dtype is the compute dtype)
 
 
@@ -184,7 +184,7 @@ def sample(c):
     device = pick_device(c.device)
     draft = speculative.load_draft(c.draft, c.num_draft) if c.draft else None  # a bad num_draft fails here
     model, tokenizer, _ = load_any(model_spec(c.init_from, c.out_dir))
-    model = checked(for_inference, model.to(device=device), c.weights_dtype)
+    model = checked(for_inference, set_context(model, c).to(device=device), c.weights_dtype)
     if draft is not None:
         draft.check(model.config, tokenizer)
         draft.for_inference(device, c.weights_dtype)
@@ -208,7 +208,7 @@ def sample(c):
 def main(argv=None):
     def command(argv):
         c, _ = parse_config(SampleConfig, argv, "python sample.py [config_file ...] [--key=value ...]",
-                            __doc__.strip().splitlines()[0], keys_of(SampleConfig, SAMPLE_CHOICES), RENAMED)
+                            __doc__.strip().splitlines()[0], keys_of(SampleConfig, SAMPLE_CHOICES, base=ContextKeys), RENAMED)
         sample(c)
 
     cli_main(command, argv)

@@ -203,20 +203,32 @@ def settle_config(c, explicit):
     return c, ckpt, notes
 
 
-def build_model(c, explicit, data_meta, ckpt):
-    """The model for init_from, checked against the dataset's tokenizer."""
+CONTEXT_KEYS = ("block_size", "rope_scaling", "rope_factor")  # what a resumed run may change: fine-tuning at a longer context
+
+
+def build_model(c, explicit, data_meta, ckpt, notes):
+    """The model for init_from (with a checkpoint's weights), checked against the dataset's tokenizer."""
     tokenizer = data_meta["tokenizer"]
     if ckpt is not None:
-        changed = [k for k in explicit if k in MODEL_KEYS and k != "dropout" and getattr(c, k) != ckpt["model_config"][k]]
-        if changed:
-            saved = ckpt["model_config"]
-            raise ConfigError("init_from=resume: " + ", ".join(f"{k}={getattr(c, k)!r}" for k in changed) + " differs from "
-                              "the checkpoint (" + ", ".join(f"{k}={saved[k]!r}" for k in changed) + "); a resumed "
-                              "run keeps its architecture")
+        saved = asdict(GPTConfig(**ckpt["model_config"]))  # completed: checkpoints from before a key existed
+        changed = {k: getattr(c, k) for k in explicit if k in MODEL_KEYS and k != "dropout" and getattr(c, k) != saved[k]}
+        fixed = [k for k in changed if k not in CONTEXT_KEYS or saved["pos_emb"] == "learned"]
+        if fixed:
+            raise ConfigError("init_from=resume: " + ", ".join(f"{k}={changed[k]!r}" for k in fixed) + " differs from "
+                              "the checkpoint (" + ", ".join(f"{k}={saved[k]!r}" for k in fixed) + "); a resumed "
+                              "run keeps its architecture" + (" (and learned positions their length)" if any(
+                                  k in CONTEXT_KEYS for k in fixed) else ""))
         if ckpt["tokenizer"] != tokenizer:
             raise DataError(f"dataset {c.dataset!r} uses tokenizer {tokenizer}, but {c.out_dir}/{CHECKPOINT} "
                             f"was trained with {ckpt['tokenizer']}; resume with the dataset it was trained on")
-        return GPT(GPTConfig(**{**ckpt["model_config"], "dropout": c.dropout}))
+        model = GPT(GPTConfig(**{**ckpt["model_config"], "dropout": c.dropout}))
+        model.load_state_dict(ckpt["model"])
+        if changed:  # only context keys are left: continue at another context
+            checked(model.set_context, changed.get("block_size"), changed.get("rope_scaling"), changed.get("rope_factor"))
+            notes.append("note: resuming at " + ", ".join(f"{k}={v!r}" for k, v in changed.items()) + " (the checkpoint "
+                         "had " + ", ".join(f"{k}={saved[k]!r}" for k in changed) + "); the model was trained at "
+                         f"block_size={model.config.trained_block_size}")
+        return model
     if c.init_from == "scratch":
         vocab_size = c.vocab_size if "vocab_size" in explicit else data_meta["vocab_size"]
         return GPT(checked(model_config, replace(c, vocab_size=vocab_size)))
@@ -311,7 +323,8 @@ class Run:
         # data and model
         data_dir = resolve_dataset(c.dataset)
         self.data_meta = read_meta(data_dir)
-        model = build_model(c, explicit, self.data_meta, ckpt)
+        self.notes = []
+        model = build_model(c, explicit, self.data_meta, ckpt, self.notes)
         self.config = config = model.config
         if self.data_meta["vocab_size"] > config.vocab_size:
             raise DataError(f"dataset {c.dataset!r} has a vocabulary of {self.data_meta['vocab_size']}, more than "
@@ -326,10 +339,8 @@ class Run:
             self.token_bytes = None
         self.eval_batches = {s: BatchSampler(files, config.block_size, seed=0) for s, files in splits.items()}
 
-        # Full weights load before sharding; FSDP2 then shards them in place, and the optimizer must see
-        # the sharded parameters.
-        if ckpt is not None:
-            model.load_state_dict(ckpt["model"])
+        # Full weights (a checkpoint's were loaded by build_model) before sharding; FSDP2 then shards them in
+        # place, and the optimizer must see the sharded parameters.
         model.to(self.device)
         if c.fsdp:
             from torch.distributed.fsdp import fully_shard
@@ -566,7 +577,7 @@ def train(c, explicit):
         fast = precision(run.device_type)
         muon = f", Muon's Newton-Schulz in {str(fast.newton_schulz).removeprefix('torch.')}" if c.optimizer == "muon" else ""
         logger.print(f"precision: {run.dtype} ({'chosen' if c.dtype == 'auto' else 'as set'}){muon} | {fast.why}")
-        for note in notes:
+        for note in notes + run.notes:
             logger.print(note)
         if state.rng_processes and state.rng_processes != world.size:
             logger.print(f"note: the checkpoint comes from {state.rng_processes} process(es), this run has "

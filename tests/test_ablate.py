@@ -91,3 +91,35 @@ def test_a_signal_stops_the_whole_study(tmp_path, char_dataset, monkeypatch, cap
         ablate.main([write_study(tmp_path, char_dataset), f"--out_dir={tmp_path / 'out'}"])
     assert exit.value.code == 128 + signal.SIGTERM and calls == [1]
     assert "run the same command again to continue" in capsys.readouterr().out
+
+
+LENGTH_STUDY = """
+base = dict(dataset={dataset!r}, n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, max_iters=4,
+            warmup_iters=1, learning_rate=3e-3, eval_interval=4, eval_iters=2, log_interval=2, dtype="float32",
+            device="cpu", pos_emb="rope")
+variants = {{"rope16": {{}}, "alibi16": dict(pos_emb="alibi"),
+             "rope32, fine-tuned": dict(block_size=32, rope_scaling="linear", rope_factor=2.0, max_iters=6)}}
+continue_from = {{"rope32, fine-tuned": "rope16"}}
+eval_lengths = [16, 32]
+eval_as = {{"rope16, linear x2": ("rope16", dict(rope_scaling="linear", rope_factor=2.0))}}
+"""
+
+
+def test_length_study_fine_tunes_from_a_variant_and_scores_every_context(tmp_path, char_dataset):
+    out = tmp_path / "out"
+    ablate.main([write_study(tmp_path, char_dataset, LENGTH_STUDY), f"--out_dir={out}"])
+    from checkpoint import load_checkpoint
+
+    tuned = load_checkpoint(str(out / "rope32, fine-tuned" / "seed1337" / "ckpt.pt"))
+    assert tuned["iter_num"] == 6 and tuned["model_config"]["block_size"] == 32
+    assert (tuned["model_config"]["trained_block_size"], tuned["model_config"]["rope_scaling"]) == (16, "linear")
+    parent = load_checkpoint(str(out / "rope16" / "seed1337" / "ckpt.pt"))
+    assert parent["iter_num"] == 4 and parent["model_config"]["block_size"] == 16  # untouched by its fine-tune
+    table = (out / "results.md").read_text()
+    rows = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| ") and line.count("|") == 4}
+    assert set(rows) >= {"rope16", "alibi16", "rope32, fine-tuned", "rope16, linear x2"}, table
+    import json
+
+    scores = json.loads((out / "rope16" / "seed1337" / "lengths.json").read_text())
+    assert scores["32 {}"] != scores['32 {"rope_factor": 2.0, "rope_scaling": "linear"}']  # scaled at evaluation
+    assert len(scores) == 4 and all(0 < s < 10 for s in scores.values())

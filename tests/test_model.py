@@ -6,12 +6,12 @@ import torch
 import torch.nn.functional as F
 
 from device import estimate_mfu
-from model import (GPT, GPTConfig, KVCache, RotaryPositions, alibi_slopes, filter_logits, gelu_tanh,
-                   gelu_tanh_as_sigmoid, lm_loss, sample_next, Sampling)
+from model import GPT, GPTConfig, KVCache, Sampling, filter_logits, gelu_tanh, gelu_tanh_as_sigmoid, lm_loss, sample_next
 from optim import adamw_everywhere
+from positions import RotaryPositions, alibi_slopes
 from quantize import Int8Linear, MatVecLinear, for_inference, quantize_int8
 
-SCHEMES = ["learned", "rope", "sinusoidal", "alibi", "none"]
+SCHEMES = ["learned", "rope", "sinusoidal", "alibi", "t5", "none"]
 
 GREEDY = Sampling(temperature=0)
 
@@ -37,7 +37,7 @@ def build(seed=0, **overrides):
         (dict(n_embd=30, n_head=4), "n_embd=30 must be divisible by n_head=4"),
         (dict(n_head=4, n_kv_head=3), "n_head=4 must be divisible by n_kv_head=3"),
         (dict(n_embd=36, n_head=4, pos_emb="rope"), "needs an even head size"),
-        (dict(pos_emb="rotary"), "pos_emb='rotary' is not one of 'learned', 'rope', 'sinusoidal', 'alibi', 'none'"),
+        (dict(pos_emb="rotary"), "pos_emb='rotary' is not one of 'learned', 'rope', 'sinusoidal', 'alibi', 't5', 'none'"),
         (dict(norm="batchnorm"), "norm='batchnorm' is not one of 'layernorm', 'rmsnorm'"),
         (dict(mlp="geglu"), "mlp='geglu' is not one of"),
         (dict(attn_impl="flash"), "attn_impl='flash' is not one of 'sdpa', 'explicit'"),

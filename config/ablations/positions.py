@@ -11,6 +11,7 @@ variants = {
     "sinusoidal": dict(pos_emb="sinusoidal"),
     "rope": dict(pos_emb="rope"),
     "alibi": dict(pos_emb="alibi"),
+    "t5": dict(pos_emb="t5"),
     "none (NoPE)": dict(pos_emb="none"),
 }
 seeds = [1, 2]
