@@ -156,7 +156,10 @@ def length_scores(run_dir, lengths, keys=None):
         key = f"{length} {json.dumps(keys or {}, sort_keys=True)}"
         if key not in cache:
             c = evaluation.EvalConfig(out_dir=run_dir, block_size=length, **(keys or {}))
-            cache[key] = evaluation.evaluate(c)["bits_per_byte"]
+            try:
+                cache[key] = evaluation.evaluate(c)["bits_per_byte"]
+            except UserError:  # it cannot run at this length (learned positions past their table): a "-"
+                cache[key] = None
             with open(cache_path, "w") as f:
                 json.dump(cache, f, indent=1)
         scores[length] = cache[key]
@@ -175,13 +178,15 @@ def length_rows(runs, root, study):
                                     if variant == name]
         for row, keys in targets:
             for length, bpb in length_scores(run_dir, lengths, keys).items():
-                rows.setdefault(row, {}).setdefault(length, []).append(bpb)
+                scores = rows.setdefault(row, {}).setdefault(length, [])
+                if bpb is not None:
+                    scores.append(bpb)
     return rows
 
 
 def write_length_table(rows, lengths):
     lines = ["", "Val bits per byte of the final models at each evaluation context (whole val split, eval.py "
-             "--block_size; mean ± std over seeds):", "",
+             "--block_size; mean ± std over seeds; - where the model cannot run at that length):", "",
              "| variant | " + " | ".join(f"{n}" for n in lengths) + " |", "| --- |" + " --- |" * len(lengths)]
     for name, by_length in rows.items():
         lines.append(f"| {name} | " + " | ".join(mean_std(by_length[n]) for n in lengths) + " |")
@@ -194,7 +199,7 @@ def plot_lengths(rows, root, title):
         return None
     fig, ax = plt.subplots(figsize=(8.5, 4.2), dpi=100)
     for i, (name, by_length) in enumerate(rows.items()):
-        lengths = sorted(by_length)
+        lengths = sorted(n for n in by_length if by_length[n])
         ax.plot(lengths, [statistics.mean(by_length[n]) for n in lengths], marker="o", label=name,
                 linestyle=line_style(i))
     ax.set_xscale("log", base=2)

@@ -97,7 +97,7 @@ LENGTH_STUDY = """
 base = dict(dataset={dataset!r}, n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, max_iters=4,
             warmup_iters=1, learning_rate=3e-3, eval_interval=4, eval_iters=2, log_interval=2, dtype="float32",
             device="cpu", pos_emb="rope")
-variants = {{"rope16": {{}}, "alibi16": dict(pos_emb="alibi"),
+variants = {{"rope16": {{}}, "alibi16": dict(pos_emb="alibi"), "learned16": dict(pos_emb="learned"),
              "rope32, fine-tuned": dict(block_size=32, rope_scaling="linear", rope_factor=2.0, max_iters=6)}}
 continue_from = {{"rope32, fine-tuned": "rope16"}}
 eval_lengths = [16, 32]
@@ -118,6 +118,7 @@ def test_length_study_fine_tunes_from_a_variant_and_scores_every_context(tmp_pat
     table = (out / "results.md").read_text()
     rows = {line.split(" | ")[0][2:]: line for line in table.splitlines() if line.startswith("| ") and line.count("|") == 4}
     assert set(rows) >= {"rope16", "alibi16", "rope32, fine-tuned", "rope16, linear x2"}, table
+    assert rows["learned16"].endswith(" | - |")  # learned positions cannot run at 32: a dash, not a failed study
     import json
 
     scores = json.loads((out / "rope16" / "seed1337" / "lengths.json").read_text())

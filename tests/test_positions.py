@@ -108,6 +108,9 @@ def test_eval_and_resume_at_a_longer_context(tmp_path, char_dataset):
                 "--max_iters=4", "--eval_interval=4"])
     result = run_script("eval.py", f"--out_dir={run}", "--block_size=64", "--device=cpu")
     assert result.returncode == 0 and "bits per byte" in result.stdout, result.stderr
+    result = run_script("sample.py", f"--out_dir={run}", "--block_size=64", "--max_new_tokens=60", "--num_samples=1",
+                        "--start=The ", "--device=cpu", "--temperature=0")
+    assert result.returncode == 0 and len(result.stdout) > 60, result.stderr  # 64 tokens of context, one cache
     learned = str(tmp_path / "learned")
     train.main([*TINY_RUN, "--block_size=16", f"--dataset={char_dataset}", f"--out_dir={learned}", "--max_iters=2",
                 "--eval_interval=2"])
