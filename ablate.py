@@ -69,7 +69,7 @@ def load_study(path):
         if "tokens" in study:
             c = replace(c, max_iters=max(1, study["tokens"] // tokens_per_step(c)))
         try:
-            train.check_config(c)
+            train.check_config(train.fit_defaults(c, explicit, []))  # as train.py will run it
             checked(model_config, c)
         except ConfigError as e:
             raise ConfigError(f"{path}: variant {name!r}: {e}") from None

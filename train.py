@@ -194,13 +194,20 @@ def settle_config(c, explicit):
     elif os.path.exists(ckpt_path) and not c.overwrite:
         raise ConfigError(f"{ckpt_path} exists: continue it with --init_from=resume, or start over with "
                           "--overwrite=True (or another --out_dir)")
-    elif "warmup_iters" not in explicit and c.warmup_iters > c.max_iters:
+    else:
+        c = fit_defaults(c, explicit, notes)
+    check_config(c)
+    return c, ckpt, notes
+
+
+def fit_defaults(c, explicit, notes):
+    """c with the defaults the user did not set fitted to a short run (a note for each in notes)."""
+    if "warmup_iters" not in explicit and c.warmup_iters > c.max_iters:
         fitted = c.max_iters // 10
         notes.append(f"note: warmup_iters={c.warmup_iters} (the default) is longer than max_iters={c.max_iters}; "
                      f"using warmup_iters={fitted} (a tenth of the run); set it to choose")
         c = replace(c, warmup_iters=fitted)
-    check_config(c)
-    return c, ckpt, notes
+    return c
 
 
 CONTEXT_KEYS = ("block_size", "rope_scaling", "rope_factor")  # what a resumed run may change: fine-tuning at a longer context

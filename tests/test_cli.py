@@ -44,7 +44,7 @@ def test_ablate_with_gpt2_offline_is_one_line(tmp_path, char_dataset):
     """init_from=gpt2 without network or a Hugging Face cache: PretrainedError, a UserError like any other."""
     study = tmp_path / "study.py"
     study.write_text(f"base = dict(dataset={char_dataset!r}, init_from='gpt2', max_iters=2, eval_interval=2, "
-                     "eval_iters=1, warmup_iters=0, batch_size=2, device='cpu', dtype='float32')\nvariants = {'gpt2': {}}\n")
+                     "eval_iters=1, batch_size=2, device='cpu', dtype='float32')\nvariants = {'gpt2': {}}\n")
     result = run_script("ablate.py", str(study), f"--out_dir={tmp_path / 'out'}",
                         env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")})
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
