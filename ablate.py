@@ -28,9 +28,9 @@ import os
 import shutil
 import statistics
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
-from checkpoint import CHECKPOINT, METRICS, load_checkpoint, read_metrics, tokens_per_step
+from checkpoint import CHECKPOINT, METRICS, ContextKeys, load_checkpoint, read_metrics, tokens_per_step
 from configurator import ConfigError, UserError, checked, cli_main, parse_config, parse_dict, read_config_file
 from model import GPT, GPTConfig, model_config
 from plot import line_style, pyplot, save
@@ -46,7 +46,7 @@ class AblateConfig:
 
 STUDY_KEYS = ("base", "variants", "seeds", "tokens", "targets", "title", "notes", "continue_from", "eval_lengths",
               "eval_as")
-EVAL_AS_KEYS = ("rope_scaling", "rope_factor")
+EVAL_AS_KEYS = [f.name for f in fields(ContextKeys) if f.name != "block_size"]  # eval_lengths sets block_size
 
 
 def load_study(path):

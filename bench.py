@@ -131,11 +131,11 @@ def peak_memory(device):
 # The two sides
 
 
-def build_model(c, device):
-    """(model, tokenizer): the model in out_dir (a run or a Hugging Face directory), or a random one of the
-    keys' shape (no tokenizer)."""
+def build_model(c, device, with_tokenizer=False):
+    """(model, tokenizer): the model in out_dir (a run or a Hugging Face directory; its tokenizer only when
+    asked), or a random one of the keys' shape (no tokenizer)."""
     if c.out_dir:
-        model, tokenizer, _ = load_any(c.out_dir)
+        model, tokenizer, _ = load_any(c.out_dir, with_tokenizer)
         return model.to(device), tokenizer
     torch.manual_seed(c.seed)
     return GPT(checked(model_config, c)).to(device), None
@@ -447,7 +447,8 @@ def run_benchmarks(argv):
     if what in ("train", "all"):
         results["train"] = bench_train(build_model(c, device)[0], c, device, dtype)
     if what in ("sample", "all"):
-        results["sample"] = bench_sample(*build_model(c, device), c, device)
+        model, tokenizer = build_model(c, device, with_tokenizer=bool(c.prompt_file or c.draft))
+        results["sample"] = bench_sample(model, tokenizer, c, device)
     report(results)
     if c.json:
         write_json(c.json, {"config": asdict(c), "results": results})

@@ -92,16 +92,17 @@ def load_model(out_dir):
     return model_from_checkpoint(state, path), state
 
 
-def load_any(spec):
+def load_any(spec, with_tokenizer=True):
     """(model, tokenizer, checkpoint state or None) for spec: a training run's out_dir (it holds ckpt.pt),
     a Hugging Face model directory (config.json) or a pretrained name (gpt2 ... gpt2-xl). Anything else
-    is read as a run, whose error says what is missing."""
+    is read as a run, whose error says what is missing. with_tokenizer=False: None for the tokenizer,
+    for callers that need none (loading one can need the tiktoken cache or a tokenizer.json)."""
     is_run = os.path.exists(os.path.join(spec, CHECKPOINT))
     if not is_run and (spec in GPT2_HUB_NAMES or os.path.exists(os.path.join(spec, "config.json"))):
         model = GPT.from_pretrained(spec)
-        return model, pretrained_tokenizer(spec, model), None
+        return model, pretrained_tokenizer(spec, model) if with_tokenizer else None, None
     model, state = load_model(spec)
-    return model, tokenizer_from_meta(state["tokenizer"]), state
+    return model, tokenizer_from_meta(state["tokenizer"]) if with_tokenizer else None, state
 
 
 @dataclass
@@ -115,16 +116,13 @@ class ContextKeys:
     rope_factor: Optional[float] = None  # rope_scaling's factor; None = the model's
 
 
-def set_context(model, c):
-    """The model at the context c's ContextKeys ask for; a ConfigError where it cannot run so."""
+def load_for(c):
+    """load_any for sample.py's and eval.py's configs: init_from (resume means out_dir's run), then the
+    model set to the context c's ContextKeys ask for (a ConfigError where it cannot run so)."""
+    model, tokenizer, state = load_any(c.out_dir if c.init_from == "resume" else c.init_from)
     if c.block_size or c.rope_scaling or c.rope_factor is not None:
         checked(model.set_context, c.block_size or None, c.rope_scaling or None, c.rope_factor)
-    return model
-
-
-def model_spec(init_from, out_dir):
-    """The load_any spec of sample.py's and eval.py's init_from and out_dir keys: resume means out_dir."""
-    return out_dir if init_from == "resume" else init_from
+    return model, tokenizer, state
 
 
 def tokens_per_step(c):

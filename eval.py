@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from checkpoint import ContextKeys, load_any, model_spec, set_context
+from checkpoint import ContextKeys, load_for
 from configurator import ConfigError, cli_main, keys_of, parse_config
 from dataset import DataError, hub_offline, hub_reachable, open_split, read_meta, resolve_dataset, write_json
 from device import COMPUTE_DTYPES, DEVICES, autocast, pick_device, pick_dtype
@@ -122,8 +122,7 @@ def load_tokens(c, tokenizer, meta):
 
 def evaluate(c):
     """Loss, perplexity and bits per byte of a whole split or text file."""
-    model, tokenizer, state = load_any(model_spec(c.init_from, c.out_dir))
-    set_context(model, c)
+    model, tokenizer, state = load_for(c)
     if not hasattr(tokenizer, "token_bytes"):
         raise DataError(f"init_from={c.init_from}: its tokenizer.json gives no per-token byte counts, which bits "
                         "per byte needs; score it with --tasks, or a GPT-2 (tiktoken) or char model")
@@ -179,8 +178,7 @@ def run_tasks(c):
     if c.include_path and not os.path.isdir(c.include_path):
         raise ConfigError(f"include_path={c.include_path}: not a folder (it should hold task YAML files)")
     harness = import_harness()
-    model, tokenizer, _ = load_any(model_spec(c.init_from, c.out_dir))
-    set_context(model, c)
+    model, tokenizer, _ = load_for(c)
     device = pick_device(c.device)
     dtype = pick_dtype(c.dtype, torch.device(device).type)
     lm = harness.GPTHarness(model.to(device).eval(), tokenizer, device, c.batch_size,

@@ -12,9 +12,9 @@ Features (each chosen once, in GPTConfig):
   generate() and stream() around it: temperature, top-k, top-p, stop token, one generator per row
 
 Reads top to bottom: config, norms, attention, MLPs, block, KV cache, sampling, model. The position
-schemes are a registry of their own (positions.py). Elsewhere: Hugging Face conversion (hf.py, behind from_pretrained/save_pretrained), inference weight
-formats (quantize.py), speculative decoding (speculative.py), optimizers (optim.py), device and
-precision choices (device.py).
+schemes are a registry of their own (positions.py). Elsewhere: Hugging Face conversion (hf.py, behind
+from_pretrained/save_pretrained), inference weight formats (quantize.py), speculative decoding
+(speculative.py), optimizers (optim.py), device and precision choices (device.py).
 """
 
 

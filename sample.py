@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 import speculative
-from checkpoint import ContextKeys, load_any, model_spec, set_context
+from checkpoint import ContextKeys, load_for
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import DataError
 from device import DEVICES, pick_device, precision
@@ -183,8 +183,8 @@ def sample(c):
         raise ConfigError("stream=True prints one sample as it arrives: set num_samples=1")
     device = pick_device(c.device)
     draft = speculative.load_draft(c.draft, c.num_draft) if c.draft else None  # a bad num_draft fails here
-    model, tokenizer, _ = load_any(model_spec(c.init_from, c.out_dir))
-    model = checked(for_inference, set_context(model, c).to(device=device), c.weights_dtype)
+    model, tokenizer, _ = load_for(c)
+    model = checked(for_inference, model.to(device=device), c.weights_dtype)
     if draft is not None:
         draft.check(model.config, tokenizer)
         draft.for_inference(device, c.weights_dtype)

@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
 
-from checkpoint import CHECKPOINT, METRICS, RunLock, load_checkpoint, save_checkpoint, tokens_per_step
+from checkpoint import CHECKPOINT, METRICS, ContextKeys, RunLock, load_checkpoint, save_checkpoint, tokens_per_step
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import BatchSampler, DataError, open_split, read_meta, resolve_dataset, tokenizer_from_meta
 from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
@@ -210,7 +210,7 @@ def fit_defaults(c, explicit, notes):
     return c
 
 
-CONTEXT_KEYS = ("block_size", "rope_scaling", "rope_factor")  # what a resumed run may change: fine-tuning at a longer context
+CONTEXT_KEYS = [f.name for f in fields(ContextKeys)]  # what a resumed run may change: fine-tune at another context
 
 
 def build_model(c, explicit, data_meta, ckpt, notes):
@@ -297,7 +297,6 @@ def recording_max_attention_logit(model):
     finally:
         for attn, attend in zip(attentions, originals):
             attn.attend = attend
-
 
 
 class Run:
