@@ -29,7 +29,7 @@ import speculative
 from checkpoint import load_any
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import write_json
-from model import MODEL_CHOICES, GPT, KVCache, ModelKeys, Sampling, lm_loss, model_config
+from model import MODEL_CHOICES, GPT, ModelKeys, Sampling, lm_loss, model_config
 from optim import OPTIMIZERS, build_optimizers
 from quantize import WEIGHTS_DTYPES, Int8Linear, for_inference
 from device import COMPUTE_DTYPES, DEVICES, autocast, cpu_facts, cuda_peak_flops, estimate_mfu, pick_device, pick_dtype, precision
@@ -245,25 +245,36 @@ def bench_train(model, c, device, dtype):
 
 
 def decode_step_timer(model, context, device, n=20):
-    """fn() -> seconds per decode step with `context` tokens cached (the cache as generate() uses it).
-    Each call rewinds the cache to `context` first, so every call times the same n positions."""
+    """(fn, bytes): fn() -> seconds per decode step with `context` tokens cached (the cache as generate()
+    uses it), and the bytes the cache holds there. Each call times the same n positions: a full-attention
+    cache is rewound to `context` first; windows and linear states, which cannot roll back that far, are
+    copied from the state at `context` (the copy is not timed)."""
     config = model.config
-    if context + n > config.block_size:
+    if config.context_limit is not None and context + n > config.context_limit:
         raise ConfigError(f"contexts: {context} + {n} steps exceeds block_size={config.block_size}")
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(config.vocab_size, (1, context), generator=g).to(device)
     token = prompt[:, -1:]
-    cache = KVCache(config.n_layer, config.block_size)
-    with torch.no_grad():
-        model(prompt, kv_cache=cache)
+    cache = model.new_cache()
+    with torch.no_grad():  # the prompt (block_size tokens at a time past block_size), its last token decoded
+        model.next_logits(prompt, context - 1, cache)
+        model.forward_cached(token, cache)
+    held = cache.nbytes()
+    rewinds = set(config.layer_kinds) == {"L"}
 
     @torch.no_grad()
-    def steps():
-        cache.rewind(context)  # the positions after it are overwritten, as on the first call
+    def steps(cache):
         for _ in range(n):
             model.forward_cached(token, cache).argmax(-1)
 
-    return lambda: seconds(steps, device) / n
+    def timed():
+        if rewinds:
+            cache.rewind(context)  # the positions after it are overwritten, as on the first call
+            return seconds(lambda: steps(cache), device) / n
+        fresh = copy.deepcopy(cache)
+        return seconds(lambda: steps(fresh), device) / n
+
+    return timed, held
 
 
 def bytes_read_per_token(model):
@@ -287,14 +298,14 @@ def bench_sample(model, tokenizer, c, device):
     twin = hf_twin(model.eval(), c.hf_dtype).eval() if c.compare == "hf" else None  # from fp32 weights
     model = checked(for_inference, model, c.weights_dtype)
     P, N = c.prompt_len, c.new_tokens
-    if P + N > config.block_size:
+    if config.context_limit is not None and P + N > config.block_size:
         raise ConfigError(f"prompt_len + new_tokens = {P + N} exceeds block_size={config.block_size}; "
                           "beyond it every step recomputes the window (see model.generate)")
     prompt = make_prompt(c, config, tokenizer, device)
     if c.draft:
         return bench_speculative(model, twin, tokenizer, prompt, c, device)
     runs = {
-        "prefill": lambda: model.forward_cached(prompt, KVCache(config.n_layer, config.block_size)),
+        "prefill": lambda: model.next_logits(prompt, P, model.new_cache()),
         "ours": lambda: model.generate(prompt, N, GREEDY),
     }
     if twin is not None:
@@ -386,19 +397,23 @@ def bench_speculative(model, twin, tokenizer, prompt, c, device):
 
 
 def decode_by_context(model, c, device):
-    """Decode ms per token at each context length, the lengths interleaved round by round, and the
-    median ratio of the longest context's time to the shortest's."""
+    """Decode ms per token and the cache's bytes at each context length, the lengths interleaved round by
+    round, and the median ratio of the longest context's time to the shortest's."""
     lengths = contexts(c, model.config)
-    times = interleave({ctx: decode_step_timer(model, ctx, device) for ctx in lengths}, c.rounds)
+    timers = {ctx: decode_step_timer(model, ctx, device) for ctx in lengths}
+    times = interleave({ctx: timer for ctx, (timer, _) in timers.items()}, c.rounds)
     return {
         "decode_ms_per_token_at_context": {ctx: statistics.median(t) * 1000 for ctx, t in times.items()},
+        "cache_mb_at_context": {ctx: held / 2**20 for ctx, (_, held) in timers.items()},
         "decode_longest_vs_shortest_context": median_ratio(times, max(lengths), min(lengths)),
     }
 
 
 def contexts(c, config):
+    """--contexts that fit the model (every one, for a model that runs any length)."""
     out = [int(x) for x in c.contexts.split(",") if x.strip()]
-    return [ctx for ctx in out if ctx + 20 <= config.block_size] or [min(10, config.block_size - 21)]
+    limit = config.context_limit
+    return [ctx for ctx in out if limit is None or ctx + 20 <= limit] or [min(10, config.block_size - 21)]
 
 
 def machine(device_type):

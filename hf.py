@@ -1,11 +1,12 @@
 """
-Hugging Face interop: GPT-2 (GPT2LMHeadModel) and Llama (LlamaForCausalLM) weights into our GPT and
-back, and the tokenizer that goes with pretrained weights. GPT.from_pretrained and GPT.save_pretrained
+Hugging Face interop: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM) and Mistral (MistralForCausalLM:
+Llama with a sliding window in every layer) weights into our GPT and back, and the tokenizer that goes with pretrained weights. GPT.from_pretrained and GPT.save_pretrained
 call in here; nothing here is needed to train or sample a model of our own.
 """
 
 import json
 import os
+from dataclasses import replace
 
 import torch
 
@@ -120,12 +121,15 @@ def load_hf_state_dict(directory):
 
 
 def family(config):
-    """'gpt2' or 'llama': the transformers architecture with this config's computation, or None."""
+    """'gpt2', 'llama' or 'mistral': the transformers architecture with this config's computation, or None."""
     c = config
-    if c.pos_emb == "learned" and c.norm == "layernorm" and c.mlp == "gelu" and not c.qk_norm and c.n_kv_head == c.n_head:
+    if c.norm_placement != "pre" or c.attn_pattern not in ("L", "S"):
+        return None
+    if (c.pos_emb == "learned" and c.norm == "layernorm" and c.mlp == "gelu" and not c.qk_norm
+            and c.n_kv_head == c.n_head and c.attn_pattern == "L"):  # fmt: skip
         return "gpt2"
     if c.pos_emb == "rope" and c.norm == "rmsnorm" and c.mlp == "swiglu" and not c.bias and not c.qk_norm:
-        return "llama"
+        return "mistral" if c.attn_pattern == "S" else "llama"
     return None
 
 
@@ -143,8 +147,11 @@ def hf_family(config):
     raise PretrainedError(
         "this config has no Hugging Face equivalent: GPT-2 needs pos_emb='learned', norm='layernorm', "
         "mlp='gelu', n_kv_head=n_head, qk_norm=False; Llama needs pos_emb='rope', norm='rmsnorm', "
-        f"mlp='swiglu', bias=False, qk_norm=False (got pos_emb={c.pos_emb!r}, norm={c.norm!r}, mlp={c.mlp!r}, "
-        f"bias={c.bias}, qk_norm={c.qk_norm}, n_kv_head={c.n_kv_head}, n_head={c.n_head})"
+        "mlp='swiglu', bias=False, qk_norm=False; both need attn_pattern='L' and norm_placement='pre' "
+        "(Mistral: Llama with attn_pattern='S') "
+        f"(got pos_emb={c.pos_emb!r}, norm={c.norm!r}, mlp={c.mlp!r}, bias={c.bias}, qk_norm={c.qk_norm}, "
+        f"n_kv_head={c.n_kv_head}, n_head={c.n_head}, attn_pattern={c.attn_pattern!r}, "
+        f"norm_placement={c.norm_placement!r})"
     )
 
 
@@ -303,9 +310,22 @@ def llama_rope_parameters(config):
             "original_max_position_embeddings": config.trained_block_size or config.block_size}
 
 
+def mistral_config(hf, directory):
+    """Mistral is Llama whose every layer attends over the last sliding_window tokens (None: all of them)."""
+    config = llama_config(hf, directory)
+    window = hf.get("sliding_window")
+    return replace(config, attn_pattern="S", attn_window=window) if window else config
+
+
+def mistral_hf_config(config):
+    hf = {k: v for k, v in llama_hf_config(config).items() if k not in ("attention_bias", "mlp_bias")}
+    return hf | {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": config.attn_window}
+
+
 HF_FAMILIES = {
     "gpt2": (gpt2_config, gpt2_to_ours, gpt2_hf_config, gpt2_from_ours),
     "llama": (llama_config, llama_to_ours, llama_hf_config, llama_from_ours),
+    "mistral": (mistral_config, llama_to_ours, mistral_hf_config, llama_from_ours),
 }
 
 

@@ -4,7 +4,8 @@ Position schemes: how a GPT knows where a token is. Each is one small module cho
 scheme needs a branch anywhere else:
   embed(x, start):              token embeddings of positions start.. -> with absolute positions added
   rotate(q, k, start):          queries and keys -> rotated (RoPE)
-  attn_bias(start, T, kv_len):  an additive (n_head, T, kv_len) bias with the causal mask in it, or None
+  attn_bias(start, T, k_start, k_len):  an additive (n_head, T, k_len) bias for queries at start.. and keys
+                                 at k_start.., with -inf on keys after a query (the causal mask), or None
 Absolute: learned (GPT-2), sinusoidal (Vaswani et al.). Relative: rope (Su et al., with linear or YaRN
 scaling for contexts past the trained one), alibi (Press et al.), t5 (Raffel et al.), none (NoPE).
 """
@@ -27,7 +28,7 @@ class NoPositions(nn.Module):
     def rotate(self, q, k, start):
         return q, k
 
-    def attn_bias(self, start, T, kv_len):
+    def attn_bias(self, start, T, k_start, k_len):
         return None
 
 
@@ -63,20 +64,30 @@ class SinusoidalPositions(NoPositions):
 
 class RotaryPositions(NoPositions):
     """Su et al. (2021), in Llama's layout: the head is split in two halves rotated against each other,
-    so Hugging Face Llama weights load without permuting rows. Scores depend only on the offset."""
+    so Hugging Face Llama weights load without permuting rows. Scores depend only on the offset. A table
+    holds block_size positions; past it (models whose layers are all windowed or linear run any length)
+    the angles are computed as the table's are."""
 
     def __init__(self, config):
         super().__init__(config)
-        inv_freq, scale = rope_frequencies(config)
-        freqs = torch.outer(torch.arange(config.block_size, dtype=torch.float32), inv_freq)
+        self.inv_freq, self.scale = rope_frequencies(config)  # fp32, not buffers: a bf16 model keeps them exact
+        cos, sin = self.cos_sin(torch.arange(config.block_size, dtype=torch.float32))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def cos_sin(self, positions):
+        freqs = torch.outer(positions, self.inv_freq.to(positions.device))
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", angles.cos() * scale if scale != 1 else angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin() * scale if scale != 1 else angles.sin(), persistent=False)
+        if self.scale != 1:
+            return angles.cos() * self.scale, angles.sin() * self.scale
+        return angles.cos(), angles.sin()
 
     def rotate(self, q, k, start):
         T = q.size(2)
-        cos = self.cos[start : start + T].to(q.dtype)
-        sin = self.sin[start : start + T].to(q.dtype)
+        if start + T <= self.cos.size(0):
+            cos, sin = self.cos[start : start + T].to(q.dtype), self.sin[start : start + T].to(q.dtype)
+        else:
+            cos, sin = (t.to(q.dtype) for t in self.cos_sin(torch.arange(start, start + T, dtype=torch.float32, device=q.device)))
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -116,9 +127,9 @@ class ALiBiPositions(NoPositions):
         super().__init__(config)
         self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
 
-    def attn_bias(self, start, T, kv_len):
+    def attn_bias(self, start, T, k_start, k_len):
         q_pos = torch.arange(start, start + T, device=self.slopes.device)[:, None]
-        distance = q_pos - torch.arange(kv_len, device=self.slopes.device)[None, :]
+        distance = q_pos - torch.arange(k_start, k_start + k_len, device=self.slopes.device)[None, :]
         bias = -self.slopes.float()[:, None, None] * distance  # in fp32 even for bf16 weights: slopes are powers of 2
         return bias.masked_fill(distance < 0, float("-inf"))
 
@@ -149,9 +160,10 @@ class T5Positions(NoPositions):
         self.n_buckets, self.max_distance = config.t5_buckets, config.t5_max_distance
         self.bias = nn.Embedding(config.t5_buckets, config.n_head)
 
-    def attn_bias(self, start, T, kv_len):
+    def attn_bias(self, start, T, k_start, k_len):
         device = self.bias.weight.device
-        distance = torch.arange(start, start + T, device=device)[:, None] - torch.arange(kv_len, device=device)[None, :]
+        distance = (torch.arange(start, start + T, device=device)[:, None]
+                    - torch.arange(k_start, k_start + k_len, device=device)[None, :])  # fmt: skip
         bias = self.bias(t5_bucket(distance.clamp_min(0), self.n_buckets, self.max_distance)).permute(2, 0, 1)
         return bias.float().masked_fill(distance < 0, float("-inf"))
 

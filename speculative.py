@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from checkpoint import load_any
 from configurator import ConfigError
 from dataset import describe_tokenizer, same_tokenizer
-from model import KVCache
 from quantize import for_inference
 
 
@@ -68,6 +67,7 @@ class Draft:
 
     def check(self, config, tokenizer=None):
         """A ConfigError when this draft cannot serve a target of this config (and tokenizer)."""
+        refuse_linear_layers(config, "the target")
 
     def for_inference(self, device, weights_dtype):
         return self
@@ -77,7 +77,7 @@ class Draft:
         block_size), one forward of model over the cache scores them and one position more, accept_drafts
         keeps a prefix and adds a token of model's, and the cache rolls back to what was kept. Returns the
         new tokens (1, n), or None where there is nothing to propose (an ordinary step then)."""
-        k = min(self.num_draft, end - length - 1, model.config.block_size - length)
+        k = min(self.num_draft, end - length - 1, (model.config.context_limit or end) - length)
         if k <= 0:
             return None
         drafts, q = self.propose(seq[:, :length], k, sampling, generator)
@@ -127,6 +127,8 @@ class ModelDraft(Draft):
         self.cache = self.fed = None
 
     def check(self, config, tokenizer=None):
+        super().check(config, tokenizer)
+        refuse_linear_layers(self.model.config, "the draft")
         if tokenizer is not None and self.tokenizer is not None and not same_tokenizer(tokenizer, self.tokenizer):
             whose = f"draft={self.name}: its" if self.name else "the draft's"
             raise ConfigError(f"{whose} tokenizer ({describe_tokenizer(self.tokenizer)}) is not the target's "
@@ -143,10 +145,14 @@ class ModelDraft(Draft):
     def propose(self, seq, k, sampling, generator):
         model, L = self.model, seq.size(1)
         if self.cache is None:
-            self.cache = KVCache(model.config.n_layer, model.config.block_size)
+            self.cache = model.new_cache()
             self.fed = seq[:, :0]
         m = min(self.fed.size(1), L - 1)  # keep the cached tokens still in the sequence; feed at least one
-        self.cache.rewind(int((self.fed[0, :m] == seq[0, :m]).cumprod(0).sum()))
+        keep = int((self.fed[0, :m] == seq[0, :m]).cumprod(0).sum())
+        try:
+            self.cache.rewind(keep)
+        except ValueError:  # a sliding window has dropped what it would need: start over
+            self.cache = model.new_cache()
         seq = torch.cat([seq, seq.new_empty(1, k)], dim=1)
         qs = []
         for length in range(L, L + k):
@@ -158,6 +164,12 @@ class ModelDraft(Draft):
                 seq[0, length] = torch.multinomial(qs[-1], 1, generator=generator)[0]
         self.fed = seq[:, : self.cache.length]
         return seq[:, L:], torch.stack(qs) if qs else None
+
+
+def refuse_linear_layers(config, whose):
+    if "R" in config.layer_kinds:
+        raise ConfigError(f"{whose} has linear-attention layers (attn_pattern={config.attn_pattern!r}), whose "
+                          "state cannot roll back rejected drafts; speculative decoding needs softmax layers (L, S)")
 
 
 def load_draft(spec, num_draft=None):

@@ -28,7 +28,7 @@ from dataset import BatchSampler, DataError, open_split, read_meta, resolve_data
 from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
 from device import autocast as autocast_for
 from hf import uses_gpt2_tokenizer
-from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, ModelKeys, attention_scores, lm_loss, model_config
+from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, LinearAttention, ModelKeys, attention_scores, lm_loss, model_config
 from optim import OPTIMIZERS, build_optimizers, clip_gradients, get_lr
 
 @dataclass
@@ -276,19 +276,19 @@ def command(argv):
 
 @contextmanager
 def recording_max_attention_logit(model):
-    """Yields a list; every attention call inside the block appends its largest pre-softmax score
-    (scaled q.k plus any ALiBi bias, causal positions only). Diagnoses attention-logit growth
+    """Yields a list; every softmax attention call inside the block appends its largest pre-softmax score
+    (scaled q.k plus any position bias, over the keys its mask lets a query see). Diagnoses attention-logit growth
     (Wortsman et al. 2023) without touching the attention code itself."""
     found = []
 
     def recorder(attend):
-        def attend_and_record(q, k, v, bias, start, dropout_p=0.0):
-            found.append(attention_scores(q.float(), k.float(), bias, start).max())
-            return attend(q, k, v, bias, start, dropout_p)
+        def attend_and_record(q, k, v, mask, dropout_p=0.0):
+            found.append(attention_scores(q.float(), k.float(), mask).max())
+            return attend(q, k, v, mask, dropout_p)
 
         return attend_and_record
 
-    attentions = [block.attn for block in model.blocks]
+    attentions = [b.attn for b in model.blocks if not isinstance(b.attn, LinearAttention)]  # softmax layers
     originals = [attn.attend for attn in attentions]
     for attn, attend in zip(attentions, originals):
         attn.attend = recorder(attend)
@@ -438,7 +438,7 @@ class Run:
             with self.grad_sync(micro == micro_steps - 1):
                 with self.autocast:
                     logits, _ = self.model(x)
-                loss, ce = lm_loss(logits, y, self.config.z_loss)
+                loss, ce = lm_loss(logits, y, self.config.z_loss, self.config.label_smoothing)
                 self.scaler.scale(loss / micro_steps).backward()
             loss_sum += loss.detach()
             ce_sum += ce.detach()
@@ -543,13 +543,13 @@ def step_record(run, iter_num, lr, loss_sum, ce_sum, grad_norm, skipped, seconds
     mfu = estimate_mfu(run.raw_model, tokens_per_sec / world.size, config.block_size, run.device)
     record = {"iter": iter_num, "loss": loss, "ce": ce, "lr": lr, "grad_norm": grad_norm.item(),
               "tokens_per_sec": tokens_per_sec, "ms_per_iter": 1000 * seconds / steps, "elapsed": elapsed}
-    if config.z_loss > 0:
+    if config.z_loss > 0 and not config.label_smoothing:
         record["z_loss_term"] = loss - ce
     if mfu is not None:
         record["mfu"] = mfu
     if skipped:
         record["skipped"] = True
-    line = (f"iter {iter_num}: loss {loss:.4f}" + (f" (ce {ce:.4f})" if config.z_loss else "")
+    line = (f"iter {iter_num}: loss {loss:.4f}" + (f" (ce {ce:.4f})" if config.z_loss or config.label_smoothing else "")
             + f", lr {lr:.2e}, grad norm {record['grad_norm']:.3f}, {tokens_per_sec:,.0f} tok/s"
             + (f", mfu {100 * mfu:.1f}%" if mfu is not None else ""))
     return record, line

@@ -111,6 +111,9 @@ def test_save_pretrained_loads_in_transformers(tmp_path, idx, overrides):
         (dict(qk_norm=True), "qk_norm=True"),
         (dict(norm="rmsnorm"), "norm='rmsnorm'"),
         (dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=True), "bias=True"),
+        (dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, attn_pattern="SL", attn_window=4),
+         "attn_pattern='SL'"),
+        (dict(norm_placement="post"), "norm_placement='post'"),
     ],
 )
 def test_save_pretrained_refuses_inexpressible(tmp_path, overrides, what):
@@ -133,9 +136,52 @@ def test_unknown_name_fails_clearly():
 
 
 def test_unsupported_model_type(tmp_path):
-    (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
-    with pytest.raises(ValueError, match="model_type 'mistral' is not supported; supported: gpt2, llama"):
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    with pytest.raises(ValueError, match="model_type 'qwen2' is not supported; supported: gpt2, llama, mistral"):
         GPT.from_pretrained(str(tmp_path))
+
+
+# Mistral: Llama with a sliding window in every layer. Sequences of 48 tokens, 6 windows of 8: a window
+# off by one position, or one that is not applied, moves the logits by far more than the tolerance.
+WINDOW = 8
+
+
+def test_mistral_imports_with_its_window(tmp_path):
+    config = transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5,
+        sliding_window=WINDOW, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    theirs = transformers.MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    theirs.save_pretrained(tmp_path)
+    ours = GPT.from_pretrained(str(tmp_path)).eval()
+    assert (ours.config.attn_pattern, ours.config.attn_window, ours.config.n_kv_head) == ("S", WINDOW, 2)
+    idx = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
+    assert max_logit_diff(ours, theirs, idx) <= 3e-6
+    assert torch.equal(ours.generate(idx[:, :20], 30, Sampling(temperature=0)), hf_greedy(theirs, idx[:, :20], 30))
+    full = GPT(GPTConfig(**{**vars(ours.config), "attn_pattern": "L", "attn_window": None}))
+    full.load_state_dict(ours.state_dict())
+    assert max_logit_diff(full.eval(), theirs, idx) > 1e-3  # the window matters on these sequences
+
+
+def test_sliding_window_exports_as_mistral(tmp_path):
+    torch.manual_seed(0)
+    ours = GPT(GPTConfig(block_size=64, vocab_size=VOCAB, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, pos_emb="rope",
+                         norm="rmsnorm", mlp="swiglu", bias=False, attn_pattern="S", attn_window=WINDOW)).eval()
+    with torch.no_grad():
+        for p in ours.parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    ours.save_pretrained(str(tmp_path))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert type(theirs).__name__ == "MistralForCausalLM" and theirs.config.sliding_window == WINDOW
+    idx = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
+    assert max_logit_diff(ours, theirs, idx) <= 3e-6
 
 
 def test_export_of_a_trained_checkpoint(tmp_path, trained_run, idx):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from device import estimate_mfu
-from model import GPT, GPTConfig, KVCache, Sampling, filter_logits, gelu_tanh, gelu_tanh_as_sigmoid, lm_loss, sample_next
+from model import GPT, GPTConfig, Sampling, filter_logits, gelu_tanh, gelu_tanh_as_sigmoid, lm_loss, sample_next
 from optim import adamw_everywhere
 from positions import RotaryPositions, alibi_slopes
 from quantize import Int8Linear, MatVecLinear, for_inference, quantize_int8
@@ -135,7 +135,7 @@ def test_sdpa_matches_explicit(pos_emb):
     torch.testing.assert_close(sdpa(idx)[0], explicit(idx)[0], rtol=0, atol=1e-5)
     # and through the cache: a prefill, a chunk of several tokens (explicit mask) and single tokens
     for model in (sdpa, explicit):
-        cache = KVCache(model.config.n_layer, 32)
+        cache = model.new_cache(32)
         chunks = [model(idx[:, a:b], kv_cache=cache)[0] for a, b in [(0, 10), (10, 15), (15, 16), (16, 32)]]
         torch.testing.assert_close(torch.cat(chunks, dim=1), sdpa(idx)[0], rtol=0, atol=1e-5)
 
@@ -195,7 +195,7 @@ def test_cached_generation_equals_uncached(pos_emb, qk_norm):
     assert torch.equal(runs[0], runs[1])
     # the cache's last-position logits equal the full forward's
     seq = runs[0][:, :30]
-    cache = KVCache(model.config.n_layer, 32)
+    cache = model.new_cache(32)
     model(seq[:, :20], kv_cache=cache)
     for t in range(20, 30):
         step_logits = model(seq[:, t : t + 1], kv_cache=cache)[0][:, -1]
@@ -370,7 +370,7 @@ def test_bf16_inference_decodes_like_the_uncached_bf16_forward(arch):
     idx = torch.randint(100, (1, 20))
     with torch.no_grad():
         reference = model(idx)[0].float()  # no cache: every position through F.linear and fp32 attention
-        cache = KVCache(model.config.n_layer, model.config.block_size)
+        cache = model.new_cache()
         model(idx[:, :12], kv_cache=cache)  # prefill, then one token at a time: matrix-vector products, bf16 attention
         for t in range(12, 20):
             step = model(idx[:, t : t + 1], kv_cache=cache)[0][0, -1].float()

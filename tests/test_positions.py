@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import TINY_RUN, run_script
-from model import GPT, GPTConfig, KVCache, Sampling
+from model import GPT, GPTConfig, Sampling
 from positions import t5_bucket
 
 
@@ -49,7 +49,7 @@ def test_a_longer_context_runs_and_is_cached_like_uncached(pos_emb):
     assert model.config.block_size == 96 and model.config.trained_block_size == 32
     torch.testing.assert_close(model(idx[:, :32])[0], before, rtol=0, atol=1e-6)
     full = model(idx)[0]
-    cache = KVCache(model.config.n_layer, 96)
+    cache = model.new_cache(96)
     steps = [model(idx[:, :40], kv_cache=cache)[0]] + [model(idx[:, t : t + 1], kv_cache=cache)[0] for t in range(40, 90)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
     greedy = Sampling(temperature=0)

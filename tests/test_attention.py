@@ -1,0 +1,254 @@
+"""Attention beyond full softmax: sliding windows and their rolling cache, causal linear attention and its
+recurrent state, post-norm blocks, label smoothing."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import GPT, GPTConfig, Sampling, lm_loss, linear_attention_chunk
+
+SCHEMES = ["learned", "rope", "sinusoidal", "alibi", "t5", "none"]
+RELATIVE = ["rope", "alibi", "t5", "none"]
+GREEDY = Sampling(temperature=0)
+
+
+def build(seed=0, **overrides):
+    config = dict(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(**config | overrides)).eval()
+
+
+def with_pattern(model, **keys):
+    """The same weights with other attention keys (attn_pattern, attn_window)."""
+    other = GPT(replace(model.config, **keys)).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+def steps_of(model):
+    """Records the number of tokens of every forward through the model."""
+    sizes, forward = [], model.hidden_states
+
+    def recording(idx, kv_cache=None):
+        sizes.append(idx.size(1))
+        return forward(idx, kv_cache)
+
+    model.hidden_states = recording
+    return sizes
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(attn_pattern="LX"), "attn_pattern='LX': each letter must be one of L .* got 'X'"),
+        (dict(attn_pattern=""), "attn_pattern='': each letter must be one of L"),
+        (dict(attn_pattern="SL"), "attn_pattern='SL' has sliding-window layers \\(S\\): set attn_window"),
+        (dict(attn_pattern="S", attn_window=0), "attn_window=0 must be a positive integer"),
+        (dict(attn_window=16), "attn_window=16 is set but attn_pattern='L' has no S layer"),
+        (dict(attn_pattern="RL", pos_emb="alibi"), "never form the score matrix that pos_emb='alibi'"),
+        (dict(attn_pattern="R", pos_emb="t5"), "pos_emb='t5'"),
+        (dict(attn_pattern="R", pos_emb="rope", rope_scaling="linear", rope_factor=2.0), "RoPE is not scaled"),
+        (dict(norm_placement="middle"), "norm_placement='middle' is not one of 'pre', 'post'"),
+        (dict(label_smoothing=1.0), "label_smoothing=1.0 must be in \\[0, 1\\)"),
+    ],
+)
+def test_bad_attention_keys_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        GPTConfig(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=32, **overrides)
+
+
+def test_pattern_tiles_over_the_layers():
+    config = GPTConfig(n_layer=6, n_head=2, n_embd=16, attn_pattern="SSSL", attn_window=4)
+    assert config.layer_kinds == "SSSLSS"
+    model = GPT(replace(config, vocab_size=61, block_size=16))
+    assert [b.attn.window for b in model.blocks] == [4, 4, 4, None, 4, 4]
+    assert GPTConfig(n_layer=3, n_head=2, n_embd=16, attn_pattern="RL").layer_kinds == "RLR"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sliding windows
+
+
+@pytest.mark.parametrize("pos_emb", SCHEMES)
+def test_window_sdpa_matches_explicit_and_the_rolling_cache(pos_emb):
+    keys = dict(pos_emb=pos_emb, n_kv_head=2, attn_pattern="SL", attn_window=6)
+    sdpa, explicit = build(**keys), build(attn_impl="explicit", **keys)
+    idx = torch.randint(0, 61, (3, 32))
+    reference = explicit(idx)[0]
+    torch.testing.assert_close(sdpa(idx)[0], reference, rtol=0, atol=1e-5)
+    # through the cache: a prefill, chunks longer and shorter than the window, single tokens
+    for model in (sdpa, explicit):
+        cache = model.new_cache()
+        spans = [(0, 10), (10, 12), (12, 13), (13, 21), (21, 22), (22, 32)]
+        chunks = [model(idx[:, a:b], kv_cache=cache)[0] for a, b in spans]
+        torch.testing.assert_close(torch.cat(chunks, dim=1), reference, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pos_emb", RELATIVE)
+def test_a_window_sees_exactly_itself_and_the_window_minus_one_before(pos_emb):
+    # one windowed layer at position i computes what full attention computes over tokens i-4..i alone
+    windowed = build(n_layer=1, n_kv_head=2, pos_emb=pos_emb, attn_pattern="S", attn_window=5)
+    full = with_pattern(windowed, attn_pattern="L", attn_window=None)
+    idx = torch.randint(0, 61, (2, 20))
+    out = windowed(idx)[0]
+    for i in range(20):
+        torch.testing.assert_close(out[:, i], full(idx[:, max(0, i - 4) : i + 1])[0][:, -1], rtol=0, atol=1e-5)
+    assert (out[:, 10:] - full(idx)[0][:, 10:]).abs().max() > 1e-3  # and the window is not full attention
+
+
+@pytest.mark.parametrize("pos_emb", RELATIVE)
+def test_windowed_model_generates_past_block_size_one_step_per_token(pos_emb):
+    model = build(pos_emb=pos_emb, attn_pattern="S", attn_window=8, n_kv_head=2)
+    assert model.config.context_limit is None
+    prompt = torch.randint(0, 61, (2, 5))
+    sizes = steps_of(model)
+    cached = model.generate(prompt, 4 * 32, GREEDY)
+    assert sizes == [5] + [1] * (4 * 32 - 1)  # no recompute past block_size=32
+    uncached = model.generate(prompt, 4 * 32, GREEDY, use_cache=False)  # the whole sequence every step
+    assert torch.equal(cached, uncached)
+
+
+def cache_bytes_while_decoding(model, n):
+    """Decodes n tokens greedily from one token through the cache; returns {length: bytes held}."""
+    seq = torch.zeros(1, n + 1, dtype=torch.long)
+    cache, held = model.new_cache(), {}
+    with torch.no_grad():
+        for length in range(1, n + 1):
+            seq[0, length] = model.next_logits(seq, length, cache).argmax()
+            held[cache.length] = cache.nbytes()
+    return held
+
+
+@pytest.mark.parametrize("pattern", ["S", "R", "SR"])
+def test_cache_memory_is_bounded_by_the_window_or_the_state(pattern):
+    model = build(pos_emb="rope", attn_pattern=pattern, attn_window=8 if "S" in pattern else None)
+    held = cache_bytes_while_decoding(model, 4 * 32)
+    assert held[32] == held[4 * 32] > 0
+    full = cache_bytes_while_decoding(build(pos_emb="rope", block_size=128), 4 * 32)
+    assert full[4 * 32] == 4 * full[32]  # where full attention's grows with the text
+
+
+def test_speculative_decoding_rolls_a_window_back():
+    import speculative
+
+    model = build(pos_emb="rope", attn_pattern="S", attn_window=4)
+    prompt = torch.tensor([[1, 2, 3, 1, 2, 3, 1, 2]])
+    plain = model.generate(prompt, 90, GREEDY)
+    draft = speculative.NgramDraft(num_draft=3)
+    assert torch.equal(speculative.generate(model, prompt, 90, GREEDY, draft), plain)
+    assert draft.proposed > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Causal linear attention
+
+
+def test_linear_attention_chunk_is_the_causal_sum():
+    torch.manual_seed(0)
+    q, k, v = (torch.rand(2, 3, 7, 4, dtype=torch.float64) for _ in range(3))
+    rq, rk = torch.randn_like(q), torch.randn_like(k)  # rotated stand-ins: the numerator's only
+    y, (S, z) = linear_attention_chunk(q, k, rq, rk, v, None, eps=0.0)
+    for i in range(7):
+        numerator = sum((rq[:, :, i] * rk[:, :, j]).sum(-1, keepdim=True) * v[:, :, j] for j in range(i + 1))
+        denominator = sum((q[:, :, i] * k[:, :, j]).sum(-1, keepdim=True) for j in range(i + 1))
+        torch.testing.assert_close(y[:, :, i], numerator / denominator)
+    torch.testing.assert_close(S, rk.transpose(-2, -1) @ v)
+    torch.testing.assert_close(z, k.sum(2))
+
+
+@pytest.mark.parametrize("pos_emb", ["rope", "none", "learned", "sinusoidal"])
+def test_linear_attention_recurrent_decode_equals_parallel_form(pos_emb):
+    # block_size 160 spans three chunks of 64 in the parallel form; decoding carries only the state
+    model = build(pos_emb=pos_emb, block_size=160, n_kv_head=2, attn_pattern="RL" if pos_emb == "learned" else "R")
+    idx = torch.randint(0, 61, (2, 160))
+    parallel = model(idx)[0]
+    cache = model.new_cache()
+    with torch.no_grad():
+        steps = [model(idx[:, :37], kv_cache=cache)[0]] + [model(idx[:, t : t + 1], kv_cache=cache)[0] for t in range(37, 160)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), parallel, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pos_emb", ["rope", "none"])
+def test_linear_model_decodes_past_block_size_one_step_per_token(pos_emb):
+    model = build(pos_emb=pos_emb, attn_pattern="R", n_kv_head=2)
+    prompt = torch.randint(0, 61, (2, 5))
+    sizes = steps_of(model)
+    cached = model.generate(prompt, 3 * 32, GREEDY)
+    assert sizes == [5] + [1] * (3 * 32 - 1)
+    assert torch.equal(cached, model.generate(prompt, 3 * 32, GREEDY, use_cache=False))
+
+
+def test_hybrid_with_absolute_positions_keeps_block_size():
+    model = build(attn_pattern="RRRL")
+    assert model.config.context_limit == 32
+    prompt = torch.randint(0, 61, (1, 5))
+    assert torch.equal(model.generate(prompt, 40, GREEDY), model.generate(prompt, 40, GREEDY, use_cache=False))
+
+
+def test_linear_state_cannot_roll_back_and_speculation_says_so():
+    import speculative
+    from configurator import ConfigError
+
+    model = build(attn_pattern="R")
+    cache = model.new_cache()
+    model(torch.randint(0, 61, (1, 6)), kv_cache=cache)
+    with pytest.raises(ValueError, match="cannot roll back to 4"):
+        cache.rewind(4)
+    with pytest.raises(ConfigError, match="linear-attention layers .* cannot roll back rejected drafts"):
+        speculative.generate(model, torch.zeros(1, 3, dtype=torch.long), 5, GREEDY, speculative.NgramDraft())
+
+
+def test_linear_attention_trains():
+    model = build(pos_emb="rope", attn_pattern="RL").train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, 61, (4, 32))
+    losses = []
+    for _ in range(30):
+        loss = model(idx[:, :-1], idx[:, 1:])[1]
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Post-norm blocks and label smoothing
+
+
+def test_post_norm_block_is_the_2017_recipe():
+    model = build(n_layer=1, norm_placement="post", mlp="relu2")
+    idx = torch.randint(0, 61, (2, 10))
+    block = model.blocks[0]
+    x = model.positions.embed(model.tok_emb(idx), 0)
+    q, k, v = block.attn.qkv(x).split(32, dim=-1)
+    q, k, v = (t.view(2, 10, 4, 8).transpose(1, 2) for t in (q, k, v))
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(8)).masked_fill(~torch.ones(10, 10, dtype=torch.bool).tril(), float("-inf"))
+    attn = block.attn.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 10, 32))
+    x = F.layer_norm(x + attn, (32,), block.norm1.weight, block.norm1.bias)
+    x = F.layer_norm(x + block.mlp.proj(F.relu(block.mlp.fc(x)).square()), (32,), block.norm2.weight, block.norm2.bias)
+    torch.testing.assert_close(model(idx)[0], x @ model.tok_emb.weight.T, rtol=0, atol=1e-5)  # no final norm
+    assert isinstance(model.norm_f, torch.nn.Identity)
+
+
+def test_label_smoothing_is_the_training_loss_only():
+    model = build(label_smoothing=0.1)
+    idx, targets = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16))
+    targets[0, :3] = -1  # ignored positions count in neither term
+    logits, loss = model(idx, targets)
+    logp = F.log_softmax(logits.view(-1, 61), dim=-1)[targets.view(-1) != -1]
+    kept = targets.view(-1)[targets.view(-1) != -1]
+    nll = -logp.gather(1, kept[:, None]).mean()
+    by_hand = 0.9 * nll - 0.1 * logp.mean(dim=-1).mean()  # 0.9 on the target, 0.1 spread evenly over 61
+    torch.testing.assert_close(loss, by_hand)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.view(-1, 61), targets.view(-1), ignore_index=-1, label_smoothing=0.1))
+    trained_on, reported = lm_loss(logits, targets, 0.0, 0.1)
+    torch.testing.assert_close(reported, nll)  # evaluation and bits per byte see the plain cross-entropy
+    assert not reported.requires_grad and trained_on.requires_grad
