@@ -308,6 +308,9 @@ def linear_attention_chunk(q, k, rq, rk, v, state, eps=1e-6):
     """Causal linear attention over one chunk (B, H, T, D) after `state` (S, z), or None at the start:
     phi'd queries and keys q, k, their rotated copies rq, rk (the same tensors without RoPE), values v.
     Returns the outputs and the state after the chunk."""
+    if q.size(2) == 1 and state is not None:  # a decoded token: the recurrence itself
+        S, z = state[0] + rk.transpose(-2, -1) @ v, state[1] + k[:, :, 0]
+        return (rq @ S) / ((q * z[:, :, None]).sum(-1, keepdim=True) + eps), (S, z)
     numerator = (rq @ rk.transpose(-2, -1)).tril() @ v  # each query with the chunk's keys up to its own
     denominator = (q * k.cumsum(dim=2)).sum(-1)
     S, z = rk.transpose(-2, -1) @ v, k.sum(dim=2)

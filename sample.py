@@ -70,15 +70,16 @@ def read_prompt(start):
     return unescape(start)
 
 
-def encode_prompt(tokenizer, text, block_size):
+def encode_prompt(tokenizer, text, limit):
+    """The prompt's token ids; limit: the model's context_limit (None: a model that runs any length)."""
     ids = tokenizer.encode(text)
     if not ids:
         if tokenizer.eot_token is None:
             raise ConfigError("the prompt is empty; give some text with --start")
         ids = [tokenizer.eot_token]  # GPT-2's unconditional start
-    if len(ids) > block_size:
+    if limit is not None and len(ids) > limit:
         raise ConfigError(f"the prompt is {len(ids)} tokens, longer than the model's context (block_size="
-                          f"{block_size}); shorten it")
+                          f"{limit}); shorten it")
     return ids
 
 
@@ -128,7 +129,7 @@ def sampling_of(c):
 
 def generate_texts(model, tokenizer, prompt, c, device, draft=None):
     """The generated continuations (prompt excluded), one per sample."""
-    ids = encode_prompt(tokenizer, prompt, model.config.block_size)
+    ids = encode_prompt(tokenizer, prompt, model.config.context_limit)
     idx = torch.tensor([ids] * c.num_samples, dtype=torch.long, device=device)
     generators = [torch.Generator(device=device).manual_seed(c.seed + i) for i in range(c.num_samples)]
     eos = stop_token(tokenizer, c.stop)
@@ -144,7 +145,7 @@ def stream_text(model, tokenizer, prompt, c, device, write, draft=None):
     """One sample, written as it arrives after the prompt; returns the sample (prompt excluded). Text that
     could be the start of the stop string is held back until it is clear it is not; a token that ends
     inside a multi-byte character waits for the rest."""
-    ids = encode_prompt(tokenizer, prompt, model.config.block_size)
+    ids = encode_prompt(tokenizer, prompt, model.config.context_limit)
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     generator = [torch.Generator(device=device).manual_seed(c.seed)]
     stop = c.stop
