@@ -52,6 +52,7 @@ class BenchConfig(ModelKeys):  # and every model key (model.ModelKeys)
     new_tokens: int = 200  # sampling: generated tokens (greedy)
     contexts: str = "10,100,1000"  # sampling: decode ms per token at these context lengths
     compare: str = ""  # hf: also the same model in transformers; float32 (train): ours without autocast; adamw (train): ours with AdamW
+    compare_patterns: str = ""  # train: also these attn_patterns of the same shape, interleaved (e.g. L,R,SL; S layers take attn_window)
     hf_dtype: str = "float32"  # transformers' dtype for --compare=hf (its weights and compute)
     draft: str = ""  # sampling: speculative decoding with ngram (prompt lookup) or a draft model's out_dir; "" = off
     num_draft: Optional[int] = None  # sampling: tokens the draft proposes per step; None = 4 for ngram, 2 for a model
@@ -210,6 +211,10 @@ def bench_train(model, c, device, dtype):
         steps["float32"] = OurTrainStep(copy.deepcopy(model), replace(c, compile=False), device, "float32")
     elif c.compare == "adamw":  # the same model, autocast and compile, AdamW for every parameter
         steps["adamw"] = OurTrainStep(copy.deepcopy(model), replace(c, optimizer="adamw"), device, dtype)
+    for pattern in filter(None, c.compare_patterns.split(",")):  # the same shape, other attention per layer
+        window = config.attn_window if "S" in pattern else None
+        other = checked(GPT, checked(replace, config, attn_pattern=pattern, attn_window=window)).to(device)
+        steps[pattern] = OurTrainStep(other, c, device, dtype)
     compile_seconds = seconds(lambda: steps["ours"](x, y), device) if c.compile else None
     for step in steps.values():
         for _ in range(c.warmup):
@@ -235,6 +240,9 @@ def bench_train(model, c, device, dtype):
     if "hf" in times:
         result.update(hf_ms_per_step=statistics.median(times["hf"]) * 1000, hf_dtype=c.hf_dtype,
                       hf_rounds_ms=[t * 1000 for t in times["hf"]], speedup_vs_hf=median_ratio(times, "hf", "ours"))
+    for pattern in set(times) - {"ours", "hf", "float32", "adamw"}:
+        result.update({f"{pattern}_ms_per_step": statistics.median(times[pattern]) * 1000,
+                       f"{pattern}_time_vs_ours": median_ratio(times, pattern, "ours")})
     if "float32" in times:
         result.update(float32_ms_per_step=statistics.median(times["float32"]) * 1000,
                       speedup_vs_float32=median_ratio(times, "float32", "ours"))

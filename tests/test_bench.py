@@ -23,13 +23,17 @@ def test_interleave_alternates_and_ratios_are_per_round():
 def test_train_figures_are_consistent(tmp_path):
     out = tmp_path / "r.json"
     results = bench.main(["train", *SHAPE, "--rounds=2", "--steps=1", "--warmup=1", "--batch_size=4",
-                          "--dtype=float32", f"--json={out}"])
+                          "--dtype=float32", f"--json={out}", "--pos_emb=rope", "--compare_patterns=R,SL",
+                          "--attn_pattern=S", "--attn_window=8"])
     r = results["train"]
+    for pattern in ("R", "SL"):  # timed in the same rounds as ours
+        assert r[f"{pattern}_ms_per_step"] > 0 and r[f"{pattern}_time_vs_ours"] > 0
     assert r["tokens_per_sec"] == pytest.approx(4 * 64 / (r["ms_per_step"] / 1000))
     assert r["ms_per_step"] == pytest.approx(sorted(r["rounds_ms"])[len(r["rounds_ms"]) // 2] if len(r["rounds_ms"]) % 2
                                              else sum(sorted(r["rounds_ms"])[:2]) / 2)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=61))
-    assert r["flops_per_token"] == model.flops_per_token(64)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=61, pos_emb="rope",
+                          attn_pattern="S", attn_window=8))
+    assert r["flops_per_token"] == model.flops_per_token(64) == 6 * (2 * (32 * 96 + 32 * 32 + 2 * 32 * 128) + 61 * 32) + 2 * 12 * 32 * 8  # window 8, not T=64
     assert r["mfu"] == pytest.approx(r["flops_per_token"] * r["tokens_per_sec"] / r["peak_flops"])
     assert r["peak_source"] == "measured matmul" and r["peak_rss_mb"] > 0
     saved = json.loads(out.read_text())
