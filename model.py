@@ -245,10 +245,17 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, positions, start, mask, cache):
         q, k, v = self.heads(x)
+        if isinstance(start, list):  # rows of different sequences, each at its own position (GPT.decode_rows)
+            rows = zip(q.split(1), k.split(1), v.split(1), start, mask, cache)
+            return self.out(torch.cat([self.mix(*row, positions) for row in rows]))
+        return self.out(self.mix(q, k, v, start, mask, cache, positions))
+
+    def mix(self, q, k, v, start, mask, cache, positions):
+        """Heads (B, H, T, D) of positions start.. -> each query's weighted sum of the values it sees."""
         q, k = positions.rotate(q, k, start)
         if cache is not None:
             k, v = cache.update(start, k, v)
-        return self.out(self.attend(q, k, v, mask, self.dropout if self.training else 0.0))
+        return self.attend(q, k, v, mask, self.dropout if self.training else 0.0)
 
     def heads(self, x):
         """x (B, T, C) -> queries (B, n_head, T, D), keys and values (B, n_kv_head, T, D)."""
@@ -282,11 +289,10 @@ class LinearAttention(CausalSelfAttention):
 
     chunk = 64  # queries per chunk: the quadratic part costs chunk * d per token, the state d * d
 
-    def forward(self, x, positions, start, mask, cache):
-        q, k, v = self.heads(x)
+    def mix(self, q, k, v, start, mask, cache, positions):
         groups = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        with torch.autocast(x.device.type, enabled=False):
+        with torch.autocast(q.device.type, enabled=False):
             q, k = F.elu(q.float()) + 1, F.elu(k.float()) + 1
             rq, rk = positions.rotate(q, k, start)  # unchanged unless pos_emb='rope'
             state = None if cache is None else cache.state
@@ -297,8 +303,8 @@ class LinearAttention(CausalSelfAttention):
                                                   v[:, :, part].float(), state)
                 ys.append(y)
         if cache is not None:
-            cache.state, cache.end = state, start + x.size(1)
-        return self.out(torch.cat(ys, dim=2).to(v.dtype))
+            cache.state, cache.end = state, start + q.size(2)
+        return torch.cat(ys, dim=2).to(v.dtype)
 
     def new_cache(self, max_len):
         return LinearState()
@@ -697,6 +703,24 @@ class GPT(nn.Module):
         """An empty cache for generation: each layer's own kind (a full layer's keys for max_len positions,
         default block_size; a window's rolling buffer; a linear layer's state)."""
         return KVCache([block.attn.new_cache(max_len or self.config.block_size) for block in self.blocks])
+
+    def decode_rows(self, tokens, caches):
+        """One decode step of B independent sequences: tokens (B, 1), caches[i] the cache of row i, each
+        at its own length -> logits (B, vocab). The projections, MLPs and head run once for the batch (the
+        weights are read once: what batching buys where decoding is bound by reading them); attention
+        runs row by row over each row's own cache. A server's batch of requests goes through here."""
+        starts = [cache.length for cache in caches]
+        limit = self.config.context_limit
+        if limit is not None and max(starts) >= limit:
+            raise ValueError(f"sequence of {max(starts) + 1} tokens is longer than block_size={limit}")
+        x = self.tok_emb(tokens)
+        x = self.drop(torch.cat([self.positions.embed(x[i : i + 1], s) for i, s in enumerate(starts)]))
+        masks = [self.masks(s, 1, tokens.device) for s in starts]
+        for i, (block, kind) in enumerate(zip(self.blocks, self.config.layer_kinds)):
+            x = block(x, self.positions, starts, [m.get(kind) for m in masks], [c.layers[i] for c in caches])
+        for cache in caches:
+            cache.advance(1)
+        return self.lm_head(self.norm_f(x))[:, -1]
 
     def forward_cached(self, idx, cache=None, last=1):
         """idx (B, T) continuing what cache holds (without a cache: a whole sequence) -> the logits of its

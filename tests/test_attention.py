@@ -252,3 +252,22 @@ def test_label_smoothing_is_the_training_loss_only():
     trained_on, reported = lm_loss(logits, targets, 0.0, 0.1)
     torch.testing.assert_close(reported, nll)  # evaluation and bits per byte see the plain cross-entropy
     assert not reported.requires_grad and trained_on.requires_grad
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rows of different sequences in one step (a server's batch)
+
+
+@pytest.mark.parametrize("keys", [dict(), dict(pos_emb="rope", attn_pattern="SL", attn_window=4), dict(pos_emb="alibi"),
+                                  dict(pos_emb="rope", attn_pattern="RL"), dict(pos_emb="t5", norm_placement="post")],
+                         ids=["learned", "windows", "alibi", "linear", "t5-post"])
+def test_decode_rows_steps_each_row_as_if_alone(keys):
+    model = build(n_kv_head=2, **keys)
+    seqs = [torch.randint(0, 61, (1, n)) for n in (3, 9, 17)]  # three rows at three positions
+    caches = [model.new_cache() for _ in seqs]
+    with torch.no_grad():
+        for seq, cache in zip(seqs, caches):
+            model.forward_cached(seq[:, :-1], cache)
+        rows = model.decode_rows(torch.cat([seq[:, -1:] for seq in seqs]), caches)
+    assert [cache.length for cache in caches] == [3, 9, 17]
+    torch.testing.assert_close(rows, torch.cat([model(seq)[0][:, -1] for seq in seqs]), rtol=0, atol=1e-5)
