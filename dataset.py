@@ -255,6 +255,13 @@ class HFTokenizer:
         return self.tok.decode(list(ids))
 
 
+def continuation(tokenizer, prompt_ids, ids):
+    """The text ids add after the prompt. Decoded together with the prompt, because tokenizers that
+    mark word starts (SentencePiece's "▁", word-level ones) drop the space a continuation starts with."""
+    prefix, full = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + ids)
+    return full[len(prefix) :] if full.startswith(prefix) else tokenizer.decode(ids)
+
+
 def describe_tokenizer(tokenizer):
     meta = tokenizer.meta() if hasattr(tokenizer, "meta") else {}
     if meta.get("kind") == "char":

@@ -19,7 +19,7 @@ import torch
 import speculative
 from checkpoint import ContextKeys, load_for
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
-from dataset import DataError
+from dataset import DataError, continuation
 from device import DEVICES, pick_device, precision
 from model import Sampling, check_max_new_tokens
 from quantize import WEIGHTS_DTYPES, for_inference
@@ -103,13 +103,6 @@ def cut_at_stop(text, stop):
         return text
     at = text.find(stop)
     return text if at < 0 else text[:at]
-
-
-def continuation(tokenizer, prompt_ids, ids):
-    """The text ids add after the prompt. Decoded together with the prompt, because tokenizers that
-    mark word starts (SentencePiece's "▁", word-level ones) drop the space a continuation starts with."""
-    prefix, full = tokenizer.decode(prompt_ids), tokenizer.decode(prompt_ids + ids)
-    return full[len(prefix) :] if full.startswith(prefix) else tokenizer.decode(ids)
 
 
 def decode(tokenizer, prompt_ids, ids, stop):

@@ -18,6 +18,7 @@ BAD_KEY = {
     "export": ["--hf_dri=x"],
     "ablate": ["study.py", "--out_dri=x"],
     "plot": ["out", "--outt=x.png"],
+    "serve": ["--prot=8000"],
 }
 
 

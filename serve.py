@@ -1,0 +1,577 @@
+"""
+Serves a model over HTTP with OpenAI's completions API, decoding concurrent requests together, and a page
+to try it in a browser.
+
+  python serve.py --out_dir=out-shakespeare-char-cpu              # then open http://127.0.0.1:8000
+  curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' -d '{"prompt": "ROMEO:", "max_tokens": 40}'
+  python serve.py --help
+
+Endpoints: POST /v1/completions (prompt as text, texts, token ids or lists of them; max_tokens, temperature,
+top_p, top_k, stop, seed, n, stream, echo, logprobs), GET /v1/models, GET /health, GET / (the page).
+Needs `pip install -r requirements-serve.txt` (FastAPI and uvicorn; nothing else here imports them).
+
+How requests share the model (continuous batching, as Orca, vLLM and llama.cpp's slots do it): the Engine
+keeps a batch of up to max_batch rows, one per request. Each loop step it lets waiting requests join (a
+prefill of each prompt into a cache of its own, which samples its first token), then runs one decode step
+for every row at once (GPT.decode_rows: the weights are read once for the whole batch, and reading them is
+what a CPU decode step costs), and lets each row sample with its own settings and seed. A row leaves when
+its request is done (length, stop string, end-of-text) or its client has gone, and its place is free at
+the next step.
+"""
+
+import asyncio
+import collections
+import itertools
+import json
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from checkpoint import ContextKeys, load_for
+from configurator import ConfigError, checked, cli_main, keys_of, parse_config
+from dataset import DataError, continuation
+from device import DEVICES, pick_device, precision
+from model import Sampling, sample_next
+from quantize import WEIGHTS_DTYPES, for_inference
+
+END_OF_TEXT = "<|endoftext|>"
+MAX_BODY_BYTES = 1 << 20  # a request larger than 1 MB is refused (413) before it is parsed
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class ServeConfig(ContextKeys):
+    out_dir: str = "out"  # the training run's directory (init_from=resume)
+    init_from: str = "resume"  # resume (out_dir/ckpt.pt) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a Hugging Face model directory
+    host: str = "127.0.0.1"  # 0.0.0.0 serves other machines too (set api_key then)
+    port: int = 8000
+    device: str = "auto"  # auto | cpu | cuda | mps
+    weights_dtype: str = "float32"  # float32 | bfloat16 | float16 | int8 (CPU; quantised, see docs/guide.md)
+    max_batch: int = 8  # requests decoded together; more wait in the queue
+    max_queue: int = 64  # requests waiting beyond the batch; past it, 503 with Retry-After
+    api_key: str = ""  # if set, requests must send Authorization: Bearer <api_key>
+    model_name: str = ""  # the id /v1/models reports; "" = the out_dir's (or init_from's) name
+
+
+SERVE_CHOICES = {"device": DEVICES, "weights_dtype": WEIGHTS_DTYPES, **ContextKeys.CHOICES}
+
+
+# ----------------------------------------------------------------------------------------------------
+# The engine: requests in, tokens out, one decode loop in a thread of its own
+
+
+class Job:
+    """One completion choice: its prompt, how to continue it, and what came of it. The engine calls
+    take(logits) once per token; the text, the stop strings and what to send are worked out here, and
+    handed to `send` (a thread-safe callable of the HTTP side) as ("text", delta, logprobs) and then
+    ("done", finish_reason, tokens generated); with echo and logprobs, ("prompt", logprobs) first."""
+
+    def __init__(self, prompt, max_tokens, sampling, seed, stop, logprobs, echo, tokenizer, send):
+        self.prompt, self.max_tokens, self.sampling, self.stop = prompt, max_tokens, sampling, stop
+        self.logprobs, self.echo, self.tokenizer, self.send = logprobs, echo, tokenizer, send
+        self.generator = torch.Generator().manual_seed(seed)
+        self.tokens, self.cache, self.finish_reason, self.cancelled = [], None, None, False
+        self.shown = ""  # text sent so far
+        self.hold = max((len(s) - 1 for s in stop), default=0)  # what might be the start of a stop string
+
+    def scored_prompt(self, logits):
+        """With echo and logprobs: the prompt's own tokens with their log-probabilities (the first has none)."""
+        logp = F.log_softmax(logits[0, :-1].float(), dim=-1)
+        entries = [(self.prompt[0], None, None)]
+        for i, token in enumerate(self.prompt[1:]):
+            entries.append((token, float(logp[i, token]), self.top(logp[i])))
+        self.send(("prompt", entries))
+
+    def top(self, logp):
+        values, ids = torch.topk(logp, self.logprobs)
+        return {self.tokenizer.decode([int(i)]): float(v) for v, i in zip(values, ids)}
+
+    def take(self, logits):
+        """logits (1, vocab) of the next position: samples a token and sends what it adds."""
+        token = int(sample_next(logits, self.sampling, self.generator))
+        self.tokens.append(token)
+        entry = None
+        if self.logprobs is not None:
+            logp = F.log_softmax(logits[0].float(), dim=-1)
+            entry = (token, float(logp[token]), self.top(logp))
+        if token == self.tokenizer.eot_token:
+            return self.finish("stop", entry)
+        text = continuation(self.tokenizer, self.prompt, self.tokens)
+        at = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if at >= 0:
+            self.emit(text[:at], entry)
+            return self.finish("stop")
+        if len(self.tokens) == self.max_tokens:
+            self.emit(text, entry)
+            return self.finish("length")
+        ready = text[: len(text) - self.hold]
+        if ready.endswith("\ufffd"):  # a token that ends inside a multi-byte character: wait for the rest
+            ready = ready[:-1]
+        self.emit(ready if len(ready) > len(self.shown) else self.shown, entry)
+
+    def emit(self, text, entry):
+        delta, self.shown = text[len(self.shown) :], max(text, self.shown, key=len)
+        if delta or entry is not None:
+            self.send(("text", delta, entry))
+
+    def finish(self, reason, entry=None):
+        if entry is not None:  # end-of-text: its log-probability is reported, its text is not
+            self.send(("text", "", entry))
+        self.finish_reason, self.cache = reason, None
+        self.send(("done", reason, len(self.tokens)))
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Engine:
+    """The decode loop (run(), in a daemon thread): admits waiting jobs into free rows, then steps every
+    row at once. submit() is called from the HTTP side."""
+
+    def __init__(self, model, max_batch, max_queue):
+        self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
+        self.device = next(model.parameters()).device
+        self.waiting, self.rows = collections.deque(), []
+        self.wake = threading.Condition()
+        self.steps = self.widest = 0  # decode steps so far, and the most rows one of them had (/health)
+        threading.Thread(target=self.run, daemon=True, name="engine").start()
+
+    def submit(self, jobs):
+        """Queues the jobs of one request, all or none (QueueFull)."""
+        with self.wake:
+            if len(self.waiting) + len(jobs) > self.max_queue + self.max_batch - len(self.rows):
+                raise QueueFull
+            self.waiting.extend(jobs)
+            self.wake.notify()
+
+    def busy(self):
+        return {"running": len(self.rows), "waiting": len(self.waiting), "max_batch": self.max_batch,
+                "max_queue": self.max_queue, "decode_steps": self.steps, "widest_step": self.widest}
+
+    def run(self):
+        while True:
+            with self.wake:
+                while not self.waiting and not self.rows:
+                    self.wake.wait()
+                joining = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch - len(self.rows)))]
+            for job in joining:
+                self.guarded(job, self.prefill)
+            self.rows = [job for job in self.rows + joining if job.finish_reason is None and not job.cancelled]
+            if self.rows:
+                self.step()
+
+    def guarded(self, job, work):
+        """work(job), where a failure ends that job (the client gets an error) and not the server."""
+        try:
+            work(job)
+        except Exception as e:  # noqa: BLE001: one request's failure must not stop the others
+            job.finish_reason = "error"
+            job.send(("error", f"{type(e).__name__}: {e}"))
+
+    @torch.no_grad()
+    def prefill(self, job):
+        """The prompt into a cache of its own, and the first token (or, with max_tokens 0, none)."""
+        if job.cancelled:
+            return
+        job.cache = self.model.new_cache()
+        prompt = torch.tensor([job.prompt], device=self.device)
+        want_prompt = job.echo and job.logprobs is not None
+        logits = self.model.forward_cached(prompt, job.cache, last=len(job.prompt) if want_prompt else 1)
+        if want_prompt:
+            job.scored_prompt(logits)
+        if job.max_tokens == 0:
+            return job.finish("length")
+        job.take(logits[:, -1])
+
+    @torch.no_grad()
+    def step(self):
+        """One token for every row: the batched decode step, then each row's own sampling."""
+        rows = self.rows
+        tokens = torch.tensor([[job.tokens[-1]] for job in rows], device=self.device)
+        try:
+            logits = self.model.decode_rows(tokens, [job.cache for job in rows])
+        except Exception as e:  # noqa: BLE001: (out of memory, say) these requests fail, the server goes on
+            for job in rows:
+                job.finish_reason = "error"
+                job.send(("error", f"{type(e).__name__}: {e}"))
+            return
+        self.steps, self.widest = self.steps + 1, max(self.widest, len(rows))
+        for job, row in zip(rows, logits):
+            self.guarded(job, lambda job: job.take(row[None]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The request: OpenAI's fields, checked, into jobs
+
+
+class BadRequest(Exception):
+    """A 4xx answer in OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message, param=None, status=400, code=None, headers=None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code, self.headers = message, param, status, code, headers
+
+    def body(self):
+        kind = {401: "authentication_error", 413: "invalid_request_error", 503: "server_busy"}.get(self.status,
+                                                                                                  "invalid_request_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def field(body, name, kinds, default, check=None, what=""):
+    """body[name] (default when absent or null), of one of `kinds`, passing check (else 400 naming it)."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = " or ".join(k.__name__ for k in kinds)
+        raise BadRequest(f"'{name}' must be {names}, got {json.dumps(value)[:50]}", name)
+    if check is not None and not check(value):
+        raise BadRequest(f"'{name}' must be {what}, got {json.dumps(value)[:50]}", name)
+    return value
+
+
+def prompts_of(body, tokenizer, vocab_size):
+    """The request's prompts as lists of token ids: a string, a list of strings, a list of ids or a list
+    of lists of ids (OpenAI's four forms)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
+        raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of lists "
+                         "of token ids", "prompt")
+    out = []
+    for p in prompt:
+        if isinstance(p, str):
+            try:
+                ids = tokenizer.encode(p)
+            except DataError as e:
+                raise BadRequest(f"'prompt': {e}", "prompt") from None
+            if not ids and tokenizer.eot_token is not None:
+                ids = [tokenizer.eot_token]  # GPT-2's unconditional start
+        elif isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            bad = [t for t in p if not 0 <= t < vocab_size]
+            if bad:
+                raise BadRequest(f"'prompt': token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
+            ids = p
+        else:
+            raise BadRequest("'prompt' must be a string, a list of strings, a list of token ids or a list of lists "
+                             "of token ids", "prompt")
+        if not ids:
+            raise BadRequest("'prompt' is empty and this tokenizer has no end-of-text token to start from", "prompt")
+        out.append(ids)
+    return out
+
+
+def parse_request(body, tokenizer, config):
+    """(prompts, settings) of a completions request, or BadRequest naming the field. Unknown fields are
+    ignored, as OpenAI does."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    prompts = prompts_of(body, tokenizer, config.vocab_size)
+    s = dict(
+        max_tokens=field(body, "max_tokens", (int,), 16, lambda v: v >= 0, ">= 0"),
+        temperature=field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "in [0, 2]"),
+        top_p=field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
+        top_k=field(body, "top_k", (int,), None, lambda v: v >= 1, ">= 1"),
+        n=field(body, "n", (int,), 1, lambda v: 1 <= v <= 16, "in [1, 16]"),
+        seed=field(body, "seed", (int,), None),
+        stream=field(body, "stream", (bool,), False),
+        echo=field(body, "echo", (bool,), False),
+        logprobs=field(body, "logprobs", (int,), None, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
+    )
+    stop = field(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > 4 or not all(isinstance(x, str) and x for x in stop):
+        raise BadRequest("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+    s["stop"] = stop
+    if s["max_tokens"] == 0 and not (s["echo"] and s["logprobs"] is not None):
+        raise BadRequest("'max_tokens' is 0: set echo and logprobs to score the prompt, or ask for tokens", "max_tokens")
+    limit = config.context_limit
+    longest = max(map(len, prompts))
+    if limit is not None and longest + s["max_tokens"] > limit:
+        raise BadRequest(f"this model's context is {limit} tokens; the prompt ({longest} tokens) and max_tokens "
+                         f"({s['max_tokens']}) need {longest + s['max_tokens']}: shorten the prompt or lower max_tokens",
+                         "prompt" if longest >= limit else "max_tokens", code="context_length_exceeded")
+    return prompts, s
+
+
+# ----------------------------------------------------------------------------------------------------
+# The HTTP side (FastAPI), imported only here
+
+
+def make_app(model, tokenizer, c, name):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+
+    app = FastAPI(title="smallgpt", docs_url=None, redoc_url=None)
+    engine = app.state.engine = Engine(model, c.max_batch, c.max_queue)
+    created = int(time.time())
+    ids = itertools.count()
+
+    def error(e):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    def authorise(request):
+        if c.api_key and request.headers.get("authorization") != f"Bearer {c.api_key}":
+            raise BadRequest("invalid or missing API key: send Authorization: Bearer <key>", status=401,
+                             code="invalid_api_key")
+
+    @app.get("/health")
+    def health():
+        return {"status": "ok", "model": name, **engine.busy()}
+
+    @app.get("/v1/models")
+    def models(request: Request):
+        try:
+            authorise(request)
+        except BadRequest as e:
+            return error(e)
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "smallgpt",
+                                            "context_length": model.config.context_limit}]}
+
+    @app.get("/", response_class=HTMLResponse)
+    def page():
+        return PAGE.replace("{{model}}", name)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        try:
+            authorise(request)
+            raw = await request.body()
+            if len(raw) > MAX_BODY_BYTES:
+                raise BadRequest(f"the request body is {len(raw):,} bytes; the limit is {MAX_BODY_BYTES:,}", status=413)
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise BadRequest(f"the body is not valid JSON ({e})") from None
+            prompts, s = parse_request(body, tokenizer, model.config)
+            sampling = checked(Sampling, float(s["temperature"]), s["top_k"], float(s["top_p"]))
+        except (BadRequest, ConfigError) as e:
+            return error(e if isinstance(e, BadRequest) else BadRequest(str(e)))
+        loop = asyncio.get_running_loop()
+        events = asyncio.Queue()
+        seed = s["seed"] if s["seed"] is not None else torch.randint(2**31, ()).item()
+        jobs = []
+        for index, (prompt, j) in enumerate((p, j) for p in prompts for j in range(s["n"])):
+            send = lambda event, index=index: loop.call_soon_threadsafe(events.put_nowait, (index, event))  # noqa: E731
+            jobs.append(Job(prompt, s["max_tokens"], sampling, seed + j, s["stop"], s["logprobs"], s["echo"],
+                            tokenizer, send))
+        try:
+            engine.submit(jobs)
+        except QueueFull:
+            return error(BadRequest(f"the server is busy ({engine.max_batch} running, queue of {engine.max_queue} "
+                                    "full); retry shortly", status=503, headers={"Retry-After": "1"}))
+        reply = Reply(f"cmpl-{next(ids)}-{int(time.time())}", name, prompts, s, tokenizer)
+        if s["stream"]:
+            return StreamingResponse(reply.stream(events, jobs), media_type="text/event-stream")
+        try:
+            await reply.collect(events, len(jobs))
+        except asyncio.CancelledError:  # the client left before the answer
+            for job in jobs:
+                job.cancelled = True
+            raise
+        if reply.failure:
+            return JSONResponse({"error": {"message": reply.failure, "type": "server_error", "param": None,
+                                           "code": None}}, status_code=500)
+        return reply.whole()
+
+    return app
+
+
+class Reply:
+    """What the jobs of one request send, put together as OpenAI's answer: whole, or as server-sent
+    events (one chunk per text delta, a last chunk per choice with its finish_reason, then [DONE])."""
+
+    def __init__(self, id, model, prompts, s, tokenizer):
+        self.id, self.model, self.prompts, self.s, self.tokenizer = id, model, prompts, s, tokenizer
+        n = len(prompts) * s["n"]
+        self.text, self.finish, self.generated = [""] * n, [None] * n, [0] * n
+        self.entries = [[] for _ in range(n)]  # (token, logprob, top) per token, the prompt's first with echo
+        self.failure = None
+
+    def prompt_of(self, index):
+        return self.prompts[index // self.s["n"]]
+
+    def record(self, index, event):
+        kind = event[0]
+        if kind == "prompt":
+            self.entries[index][:0] = event[1]
+        elif kind == "text":
+            self.text[index] += event[1]
+            if event[2] is not None:
+                self.entries[index].append(event[2])
+        elif kind == "done":
+            self.finish[index], self.generated[index] = event[1], event[2]
+        elif kind == "error":
+            self.failure, self.finish[index] = event[1], "error"
+
+    async def collect(self, events, n):
+        while sum(f is not None for f in self.finish) < n:
+            index, event = await events.get()
+            self.record(index, event)
+
+    def logprobs(self, index, entries, offset=0):
+        if self.s["logprobs"] is None:
+            return None
+        tokens = [self.tokenizer.decode([t]) for t, _, _ in entries]
+        offsets = list(itertools.accumulate([offset] + [len(t) for t in tokens[:-1]])) if tokens else []
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [top for _, _, top in entries], "text_offset": offsets}
+
+    def choice(self, index):
+        prompt_text = self.tokenizer.decode(self.prompt_of(index)) if self.s["echo"] else ""
+        return {"text": prompt_text + self.text[index], "index": index,
+                "logprobs": self.logprobs(index, self.entries[index]), "finish_reason": self.finish[index]}
+
+    def usage(self):
+        prompt_tokens, completion = sum(len(p) for p in self.prompts) * self.s["n"], sum(self.generated)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+    def whole(self):
+        return {"id": self.id, "object": "text_completion", "created": int(time.time()), "model": self.model,
+                "choices": [self.choice(i) for i in range(len(self.text))], "usage": self.usage()}
+
+    def chunk(self, index, text, entries, finish_reason=None):
+        body = {"id": self.id, "object": "text_completion", "created": int(time.time()), "model": self.model,
+                "choices": [{"text": text, "index": index, "logprobs": self.logprobs(index, entries) if entries else None,
+                             "finish_reason": finish_reason}]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def stream(self, events, jobs):
+        try:
+            if self.s["echo"]:
+                for index in range(len(self.text)):
+                    yield self.chunk(index, self.tokenizer.decode(self.prompt_of(index)), [])
+            done = 0
+            while done < len(jobs):
+                index, event = await events.get()
+                self.record(index, event)
+                if event[0] == "prompt":
+                    yield self.chunk(index, "", event[1])
+                elif event[0] == "text":
+                    yield self.chunk(index, event[1], [event[2]] if event[2] else [])
+                elif event[0] in ("done", "error"):
+                    done += 1
+                    if event[0] == "error":
+                        yield f"data: {json.dumps({'error': {'message': event[1], 'type': 'server_error'}})}\n\n"
+                    yield self.chunk(index, "", [], self.finish[index])
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (or the stream ended): free the rows at the next step
+            for job in jobs:
+                job.cancelled = True
+
+
+# ----------------------------------------------------------------------------------------------------
+# The page: no build step, no CDN (the machine may be offline); it uses the same API
+
+
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>smallgpt: {{model}}</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>
+body { font-family: system-ui, sans-serif; max-width: 52rem; margin: 2rem auto; padding: 0 1rem; }
+textarea { width: 100%; height: 7rem; font-family: ui-monospace, monospace; }
+pre#out { white-space: pre-wrap; background: #f4f4f4; padding: 1rem; min-height: 6rem; }
+label { margin-right: 1rem; } input[type=number] { width: 5rem; } #stats { color: #555; }
+</style></head><body>
+<h1>smallgpt <small>{{model}}</small></h1>
+<textarea id="prompt">ROMEO:</textarea>
+<p><label>max tokens <input id="max_tokens" type="number" value="200" min="1"></label>
+<label>temperature <input id="temperature" type="number" value="0.8" step="0.1" min="0" max="2"></label>
+<label>top p <input id="top_p" type="number" value="1" step="0.05" min="0.05" max="1"></label>
+<label>top k <input id="top_k" type="number" value="" min="1" placeholder="all"></label>
+<label>seed <input id="seed" type="number" value="" placeholder="random"></label>
+<label>API key <input id="key" type="password" size="10"></label></p>
+<p><button id="go">Generate</button> <button id="stop" disabled>Stop</button> <span id="stats"></span></p>
+<pre id="out"></pre>
+<script>
+const $ = (id) => document.getElementById(id);
+let controller = null;
+function settings() {
+  const body = {prompt: $("prompt").value, max_tokens: +$("max_tokens").value, temperature: +$("temperature").value,
+                top_p: +$("top_p").value, stream: true};
+  if ($("top_k").value) body.top_k = +$("top_k").value;
+  if ($("seed").value) body.seed = +$("seed").value;
+  return body;
+}
+async function generate() {
+  const out = $("out"), stats = $("stats");
+  out.textContent = $("prompt").value; stats.textContent = "";
+  controller = new AbortController(); $("go").disabled = true; $("stop").disabled = false;
+  const headers = {"Content-Type": "application/json"};
+  if ($("key").value) headers["Authorization"] = "Bearer " + $("key").value;
+  const start = performance.now(); let first = null, tokens = 0;
+  try {
+    const response = await fetch("/v1/completions", {method: "POST", headers, body: JSON.stringify(settings()),
+                                                      signal: controller.signal});
+    if (!response.ok) { const e = await response.json(); stats.textContent = "error: " + e.error.message; return; }
+    const reader = response.body.getReader(), decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, {stream: true});
+      let end;
+      while ((end = buffer.indexOf("\\n\\n")) >= 0) {
+        const line = buffer.slice(0, end); buffer = buffer.slice(end + 2);
+        if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
+        const chunk = JSON.parse(line.slice(6));
+        if (chunk.error) { stats.textContent = "error: " + chunk.error.message; continue; }
+        const choice = chunk.choices[0];
+        if (choice.text) { out.textContent += choice.text; tokens += 1; first = first || performance.now(); }
+        const seconds = (performance.now() - (first || start)) / 1000;
+        stats.textContent = tokens + " chunks, " + (seconds > 0 ? (tokens / seconds).toFixed(1) : "-") + " tokens/s" +
+          (choice.finish_reason ? ", finished: " + choice.finish_reason : "");
+      }
+    }
+  } catch (e) { if (e.name !== "AbortError") stats.textContent = "error: " + e; }
+  finally { $("go").disabled = false; $("stop").disabled = true; controller = null; }
+}
+$("go").onclick = generate;
+const query = new URLSearchParams(location.search);  // ?prompt=...&run=1 fills the form (and starts)
+for (const [key, value] of query) if ($(key) && key !== "out") $(key).value = value;
+if (query.get("run")) generate();
+$("stop").onclick = () => controller && controller.abort();
+</script></body></html>
+"""
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def serve(c):
+    for key, low in (("max_batch", 1), ("max_queue", 0), ("port", 0)):
+        if getattr(c, key) < low:
+            raise ConfigError(f"{key}={getattr(c, key)} must be >= {low}")
+    try:
+        import uvicorn
+    except ImportError:
+        raise ConfigError("serve.py needs FastAPI and uvicorn, which are not installed: "
+                          "pip install -r requirements-serve.txt") from None
+    device = pick_device(c.device)
+    model, tokenizer, _ = load_for(c)
+    model = checked(for_inference, model.to(device=device), c.weights_dtype)
+    name = c.model_name or (c.out_dir if c.init_from == "resume" else c.init_from).rstrip("/").split("/")[-1]
+    app = make_app(model, tokenizer, c, name)
+    print(f"precision: {c.weights_dtype} weights | {precision(torch.device(device).type).why}", file=sys.stderr)
+    print(f"serving {name} on http://{c.host}:{c.port} (max_batch={c.max_batch}, max_queue={c.max_queue})",
+          file=sys.stderr)
+    uvicorn.run(app, host=c.host, port=c.port, log_level="warning")
+
+
+def main(argv=None):
+    def command(argv):
+        c, _ = parse_config(ServeConfig, argv, "python serve.py [config_file ...] [--key=value ...]",
+                            __doc__.strip().splitlines()[0], keys_of(ServeConfig, SERVE_CHOICES, base=ContextKeys))
+        serve(c)
+
+    cli_main(command, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,280 @@
+"""serve.py: the OpenAI-compatible server, through real clients (the openai package, plain HTTP, lm-eval's
+local-completions backend, a headless browser) against a server on a local port."""
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_RUN, run_script
+
+pytest.importorskip("fastapi", reason="serve.py needs FastAPI and uvicorn (requirements-serve.txt)")
+uvicorn = pytest.importorskip("uvicorn", reason="serve.py needs FastAPI and uvicorn (requirements-serve.txt)")
+
+import serve  # noqa: E402
+from checkpoint import load_any  # noqa: E402
+from model import Sampling  # noqa: E402
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """serve.make_app on a free port, in a thread of this process (uvicorn's own server, real sockets)."""
+
+    def __init__(self, out_dir, model=None, **keys):
+        self.model, self.tokenizer, _ = load_any(out_dir)
+        self.model = (model or self.model).eval()
+        self.config = serve.ServeConfig(out_dir=out_dir, **keys)
+        app = serve.make_app(self.model, self.tokenizer, self.config, "tiny")
+        self.engine = app.state.engine
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+    def post(self, body, path="/v1/completions", headers=None, raw=None):
+        """(status, JSON body) of a POST."""
+        data = raw if raw is not None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method="POST",
+                                         headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def get(self, path):
+        with urllib.request.urlopen(self.url + path, timeout=30) as response:
+            return response.read().decode()
+
+    def greedy(self, prompt, n):
+        """What model.generate (sample.py --temperature=0) continues prompt with."""
+        ids = self.tokenizer.encode(prompt)
+        out = self.model.generate(torch.tensor([ids]), n, Sampling(temperature=0))
+        return self.tokenizer.decode(out[0, len(ids) :].tolist())
+
+
+@pytest.fixture(scope="module")
+def served_run(tmp_path_factory, char_dataset):
+    """A character model trained enough (300 steps, about 3 s) that its greedy text depends on the prompt."""
+    import train
+
+    out = tmp_path_factory.mktemp("served")
+    train.main([*TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={out}", "--max_iters=300", "--eval_interval=300",
+                "--learning_rate=1e-2", "--batch_size=8"])
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def server(served_run):
+    s = Server(served_run, max_batch=8, max_queue=6)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai", reason="the openai package is a test dependency (requirements-dev.txt)")
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The openai package
+
+
+def test_openai_client_completions_and_stream(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    done = client.completions.create(model="tiny", prompt="The king", max_tokens=12, temperature=0)
+    assert done.choices[0].text == server.greedy("The king", 12) and done.choices[0].finish_reason == "length"
+    assert (done.usage.prompt_tokens, done.usage.completion_tokens) == (8, 12)
+    pieces = list(client.completions.create(model="tiny", prompt="The king", max_tokens=12, temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == done.choices[0].text  # the stream is the same text
+    assert pieces[-1].choices[0].finish_reason == "length" and len(pieces) > 3
+    # several prompts, n choices each, a seed: sampled text reproducible, choice indexes prompt-major
+    many = client.completions.create(model="tiny", prompt=["The", "Fair"], n=2, max_tokens=6, seed=5, temperature=1.0)
+    again = client.completions.create(model="tiny", prompt=["The", "Fair"], n=2, max_tokens=6, seed=5, temperature=1.0)
+    assert [c.index for c in many.choices] == [0, 1, 2, 3]
+    assert [c.text for c in many.choices] == [c.text for c in again.choices]
+
+
+def test_stop_strings_and_token_prompts(server, client):
+    full = server.greedy("The king", 20)
+    stop = full[5:7]
+    cut = client.completions.create(model="tiny", prompt="The king", max_tokens=20, temperature=0, stop=[stop, "@@"])
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    ids = server.tokenizer.encode("The king")
+    as_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+    assert as_ids.choices[0].text == full[:8]
+
+
+def test_echo_and_logprobs_score_the_prompt(server, client):
+    ids = server.tokenizer.encode("The king hath")
+    out = client.completions.create(model="tiny", prompt="The king hath", max_tokens=1, temperature=0, echo=True, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert out.choices[0].text.startswith("The king hath") and len(lp.token_logprobs) == len(ids) + 1
+    with torch.no_grad():
+        logp = torch.log_softmax(server.model(torch.tensor([ids]))[0][0].float(), dim=-1)
+    expected = [None] + [logp[i, t].item() for i, t in enumerate(ids[1:])]
+    assert lp.token_logprobs[0] is None
+    assert lp.token_logprobs[1:-1] == pytest.approx(expected[1:], abs=1e-4)
+    assert all(len(top) == 2 and max(top.values()) >= lp.token_logprobs[i + 1] - 1e-6 for i, top in enumerate(lp.top_logprobs[1:]))
+
+
+def test_errors_in_openais_shape(server, client):
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="'temperature' must be in \\[0, 2\\]"):
+        client.completions.create(model="tiny", prompt="The", temperature=5)
+    with pytest.raises(openai.BadRequestError, match="context is 32 tokens"):
+        client.completions.create(model="tiny", prompt="The king", max_tokens=100)
+    status, body = server.post({"prompt": [[1, 2, 10**6]]})
+    assert status == 400 and body["error"]["param"] == "prompt" and "outside the vocabulary" in body["error"]["message"]
+    status, body = server.post({"prompt": "zx"})
+    assert status == 400 and "characters not in the vocabulary" in body["error"]["message"]
+    for bad in [{"prompt": "The", "max_tokens": -1}, {"prompt": "The", "max_tokens": "ten"}, {"prompt": ""},
+                {"prompt": 5}, {"prompt": "The", "n": 0}, {"prompt": "The", "stop": [""]}, {"prompt": "The", "logprobs": 99}]:
+        status, body = server.post(bad)
+        assert status == 400 and body["error"]["type"] == "invalid_request_error", (bad, body)
+    assert server.post(None, raw=b"{not json")[0] == 400
+    assert server.post(None, raw=b"x" * (2 << 20))[0] == 413
+    assert server.post({"prompt": "The", "max_tokens": 2, "unknown_field": 1})[0] == 200  # ignored, as OpenAI does
+
+
+def test_api_key_and_queue_limit(served_run):
+    s = Server(served_run, max_batch=1, max_queue=1, api_key="sesame")
+    try:
+        assert s.post({"prompt": "The", "max_tokens": 2})[0] == 401
+        assert s.post({"prompt": "The", "max_tokens": 2}, headers={"Authorization": "Bearer sesame"})[0] == 200
+        busy = {"prompt": "The", "max_tokens": 28}
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda _: s.post(busy, headers={"Authorization": "Bearer sesame"}), range(6)))
+        statuses = sorted(status for status, _ in answers)
+        assert statuses[0] == 200 and statuses[-1] == 503  # one runs, one waits, the rest are told to come back
+        assert all("retry" in body["error"]["message"] for status, body in answers if status == 503)
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Batching
+
+
+def test_greedy_alone_equals_greedy_in_a_busy_batch(server):
+    prompts = ["The king", "Fair", "O heaven, the", "Sweet", "My lord", "Night", "Good morrow", "Fire"]
+    alone = [server.post({"prompt": p, "max_tokens": 16, "temperature": 0})[1]["choices"][0]["text"] for p in prompts]
+    assert alone == [server.greedy(p, 16) for p in prompts]  # = sample.py --temperature=0
+    assert len(set(alone)) >= 4  # the text depends on the prompt, so rows mixed up would show
+    before, server.engine.widest = server.engine.steps, 0
+
+    def mixed(i):  # greedy requests, with sampled ones of other lengths and settings between them
+        body = ({"prompt": prompts[i], "max_tokens": 16, "temperature": 0} if i % 2 == 0 else
+                {"prompt": prompts[i], "max_tokens": 12 + i, "temperature": 1.2, "top_k": 5, "seed": i})
+        return server.post(body)[1]["choices"][0]["text"]
+
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(mixed, range(8)))
+    assert server.engine.widest >= 4  # they did share decode steps
+    assert server.engine.steps - before < 16 * 4 + 12 * 4 + 16  # fewer than one request at a time would take
+    assert [together[i] for i in range(0, 8, 2)] == [alone[i] for i in range(0, 8, 2)]
+
+
+def test_a_client_that_leaves_frees_its_row(served_run):
+    import http.client
+
+    from dataclasses import replace
+
+    from model import GPT
+
+    # the served model's shape with windowed layers, which run any length: a request of a million tokens
+    # would hold its row for hours
+    torch.manual_seed(0)
+    endless = GPT(replace(load_any(served_run)[0].config, pos_emb="rope", attn_pattern="S", attn_window=8))
+    s = Server(served_run, model=endless, max_batch=2)
+    try:
+        connection = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+        connection.request("POST", "/v1/completions", json.dumps({"prompt": "The", "max_tokens": 10**6, "stream": True}),
+                           {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200 and response.read(300)  # the first chunks arrived
+        assert json.loads(s.get("/health"))["running"] == 1
+        connection.close()  # and the client is gone mid-stream
+        deadline = time.time() + 10
+        while json.loads(s.get("/health"))["running"] and time.time() < deadline:
+            time.sleep(0.05)
+        assert json.loads(s.get("/health"))["running"] == 0
+        assert s.post({"prompt": "The", "max_tokens": 4, "temperature": 0})[1]["choices"][0]["text"] == s.greedy("The", 4)
+    finally:
+        s.stop()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The command line, the page, and who imports FastAPI
+
+
+def test_serve_py_serves_the_page_and_the_api(served_run):
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "serve.py", f"--out_dir={served_run}", f"--port={port}"], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, page = time.time() + 60, None
+        while page is None and time.time() < deadline and process.poll() is None:
+            try:
+                page = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read().decode()
+            except OSError:
+                time.sleep(0.2)
+        assert page is not None, process.stdout.read() if process.poll() is not None else "no answer in 60 s"
+        assert "<textarea" in page and "/v1/completions" in page
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", method="POST",
+                                         data=json.dumps({"prompt": "The", "max_tokens": 3}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        assert json.loads(urllib.request.urlopen(request, timeout=30).read())["usage"]["completion_tokens"] == 3
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_bad_serve_keys_get_one_line():
+    result = run_script("serve.py", "--out_dir=nowhere-at-all", "--port=1")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    result = run_script("serve.py", "--max_batch=0")
+    assert result.returncode == 2 and "max_batch=0 must be >= 1" in result.stderr
+
+
+def test_no_other_script_imports_fastapi():
+    scripts = ["train", "sample", "eval", "bench", "export", "ablate", "plot", "model", "checkpoint", "hf"]
+    code = f"import sys; import {', '.join(scripts)}; print('fastapi' in sys.modules or 'uvicorn' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+def test_the_page_streams_in_a_headless_browser(server):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("no chromium here (.ci/run installs Debian's chromium where apt can)")
+    url = f"{server.url}/?prompt=The%20king&max_tokens=12&temperature=0&run=1"
+    result = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=15000",
+                             "--dump-dom", url], capture_output=True, text=True, timeout=120)
+    expected = "The king" + server.greedy("The king", 12)
+    assert expected.replace("&", "&amp;").replace("<", "&lt;") in result.stdout, result.stdout[-2000:]
+    assert "finished: length" in result.stdout  # the page saw the stream end
