@@ -278,3 +278,50 @@ def test_the_page_streams_in_a_headless_browser(server):
     expected = "The king" + server.greedy("The king", 12)
     assert expected.replace("&", "&amp;").replace("<", "&lt;") in result.stdout, result.stdout[-2000:]
     assert "finished: length" in result.stdout  # the page saw the stream end
+
+
+# ---------------------------------------------------------------------------------------------------
+# lm-evaluation-harness through the server = eval.py --tasks on the checkpoint
+
+
+def test_lm_eval_local_completions_equals_eval_py(tmp_path, served_run, server):
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is an optional extra (requirements-eval.txt)")
+    pytest.importorskip("transformers")
+    import random
+
+    from lm_eval.evaluator import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    import harness
+    from conftest import WORDS
+
+    # a multiple-choice task short enough that no request is cut to the 32-token context on either side
+    rng = random.Random(1)
+    rows = [{"context": " ".join(rng.choice(WORDS) for _ in range(2)).capitalize(),
+             "choices": [rng.choice(WORDS) for _ in range(4)], "label": rng.randrange(4)} for _ in range(16)]
+    rows = [r for r in rows if len(r["context"]) + 1 + max(map(len, r["choices"])) <= 30]
+    (tmp_path / "served_mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "served_mc.yaml").write_text(
+        "task: served_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {tmp_path / 'served_mc.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        "doc_to_text: \"{{context}}\"\ndoc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{label}}\"\n"
+        "metric_list:\n  - metric: acc\n")
+    manager = TaskManager(include_path=str(tmp_path))
+    exported = run_script("export.py", f"--out_dir={served_run}", f"--hf_dir={tmp_path / 'hf'}")
+    assert exported.returncode == 0, exported.stderr
+
+    theirs = simple_evaluate(model="local-completions", tasks=["served_mc"], task_manager=manager, log_samples=True,
+                             model_args={"base_url": server.url + "/v1/completions", "model": "tiny",
+                                         "tokenizer": str(tmp_path / "hf"), "max_length": 32, "max_retries": 1},
+                             verbosity="ERROR")
+    lm = harness.GPTHarness(server.model, server.tokenizer, "cpu", batch_size=4,
+                            context=torch.autocast("cpu", enabled=False))
+    ours = harness.run_tasks(lm, ["served_mc"], task_manager=manager, log_samples=True)
+    mine = {s["doc_id"]: s for s in ours["samples"]["served_mc"]}
+    served = {s["doc_id"]: s for s in theirs["samples"]["served_mc"]}
+    assert len(mine) == len(served) == len(rows) >= 8
+    for doc_id, sample in mine.items():
+        for (ll, greedy), (their_ll, their_greedy) in zip((r[0] for r in sample["resps"]),
+                                                          (r[0] for r in served[doc_id]["resps"])):
+            assert ll == pytest.approx(their_ll, abs=1e-4) and greedy == their_greedy
+    assert ours["results"]["served_mc"]["acc,none"] == theirs["results"]["served_mc"]["acc,none"]
