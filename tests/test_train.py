@@ -150,6 +150,14 @@ def test_z_loss_logged_apart_and_kept_out_of_evaluation(tmp_path, char_dataset):
     assert "z_loss_term" not in next(r for r in plain if "loss" in r)
     # before any step the two models are the same; evaluation reports cross-entropy alone
     assert plain[0]["val_loss"] == z[0]["val_loss"] and plain[0]["iter"] == z[0]["iter"] == 0
+    # label smoothing likewise: the trained-on loss differs from the logged plain cross-entropy, and the
+    # evaluation before any step equals the plain run's (it never smooths)
+    run(tmp_path / "smooth", char_dataset, "--max_iters=2", "--label_smoothing=0.5")
+    smooth = read_metrics(tmp_path / "smooth")
+    step = next(r for r in smooth if "loss" in r)
+    assert step["loss"] > step["ce"] + 0.01 and "z_loss_term" not in step
+    assert step["ce"] == pytest.approx(next(r for r in plain if "loss" in r)["ce"], rel=1e-6)
+    assert smooth[0]["val_loss"] == plain[0]["val_loss"]
 
 
 # ---------------------------------------------------------------------------------------------------
