@@ -35,7 +35,7 @@ from optim import OPTIMIZERS, build_optimizers, clip_gradients, get_lr
 class TrainConfig(ModelKeys):  # and every model key (model.ModelKeys)
     # input and output
     out_dir: str = "out"  # ckpt.pt and metrics.jsonl go here
-    init_from: str = "scratch"  # scratch | resume | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a Hugging Face model directory
+    init_from: str = "scratch"  # scratch | resume | auto (resume if out_dir has a checkpoint, else scratch) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a Hugging Face model directory
     overwrite: bool = False  # init_from=scratch into an out_dir that holds a checkpoint: False refuses, True starts over
     dataset: str = "shakespeare_char"  # a prepared dataset: a name under data/, or a directory
     # schedule, evaluation, checkpoints
@@ -187,6 +187,10 @@ def settle_config(c, explicit):
     Defaults the user did not set are fitted to a short run; what the user wrote is only checked."""
     ckpt_path = os.path.join(c.out_dir, CHECKPOINT)
     ckpt, notes = None, []
+    if c.init_from == "auto":  # what a restarted job runs: torchrun --max-restarts, a requeued SLURM job
+        found = os.path.exists(ckpt_path)
+        notes.append(f"init_from=auto: {'resuming ' + ckpt_path if found else 'no checkpoint in ' + c.out_dir + ', starting from scratch'}")
+        c = replace(c, init_from="resume" if found else "scratch")
     if c.init_from == "resume":
         ckpt = load_checkpoint(ckpt_path)
         saved = {k: v for k, v in ckpt["train_config"].items() if k in TRAIN_KEYS}  # keys since removed are dropped
@@ -508,12 +512,15 @@ class RunState:
 
 
 class StopRequest:
-    """SIGINT/SIGTERM: the first asks the loop to stop after this step (it saves a checkpoint), the
-    second aborts at once. Installed while the loop runs; the old handlers come back on close()."""
+    """SIGINT/SIGTERM/SIGUSR1: the first asks the loop to stop after this step (it saves a checkpoint),
+    the second aborts at once. SIGUSR1 is SLURM's warning before a job's time runs out (sbatch
+    --signal=USR1@120). Installed while the loop runs; the old handlers come back on close()."""
+
+    SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
     def __init__(self, logger):
         self.logger, self.signum = logger, None
-        self.previous = {s: signal.signal(s, self.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.previous = {s: signal.signal(s, self.on_signal) for s in self.SIGNALS}
 
     def on_signal(self, signum, frame):
         if self.signum is not None:  # a second Ctrl-C: the user wants out now
@@ -643,7 +650,8 @@ def train(c, explicit):
                 check_finite(first_bad, ckpt_path)
                 if c.always_save_checkpoint:
                     state.save(run, ckpt_path, logger)
-                    logger.print(f"saved {ckpt_path} at iteration {state.iter_num}; continue with --init_from=resume")
+                    logger.print(f"saved {ckpt_path} at iteration {state.iter_num}; continue with --init_from=resume "
+                                 "(or auto)")
                 else:
                     logger.print(f"always_save_checkpoint=False: {ckpt_path} keeps the best state, not this one")
                 signum = stop.signum if stop.signum is not None else signal.SIGTERM

@@ -255,6 +255,30 @@ def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path, char_dataset)
     assert [r["iter"] for r in read_metrics(tmp_path) if "loss" in r] == list(range(saved["iter_num"] + 2))
 
 
+@pytest.mark.slow
+def test_sigusr1_saves_and_init_from_auto_resumes_bit_exact(tmp_path, char_dataset):
+    """SLURM's warning signal, then a requeued job with the same command line (init_from=auto)."""
+    schedule = ["--lr_decay_iters=20", "--warmup_iters=2", "--eval_interval=100000"]  # not tied to max_iters
+    args = [*TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'job'}", *schedule, "--init_from=auto"]
+    proc = subprocess.Popen([sys.executable, "train.py", *args, "--max_iters=100000"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("iter 3:"):
+            break
+    proc.send_signal(signal.SIGUSR1)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGUSR1, err
+    assert any("init_from=auto: no checkpoint in" in line for line in lines)
+    assert "SIGUSR1: stopping after this step" in out and "continue with --init_from=resume (or auto)" in out
+    saved = load_checkpoint(str(tmp_path / "job" / "ckpt.pt"))["iter_num"]
+    again = run_script("train.py", *args, f"--max_iters={saved + 4}")
+    assert again.returncode == 0 and "init_from=auto: resuming" in again.stdout, again.stderr
+    run(tmp_path / "straight", char_dataset, f"--max_iters={saved + 4}", *schedule)
+    assert losses(tmp_path / "job") == losses(tmp_path / "straight")
+
+
 def test_muon_resume_is_exact(tmp_path, char_dataset):
     common = ["--optimizer=muon", "--max_iters=8", "--lr_decay_iters=8", "--learning_rate=1e-2"]
     run(tmp_path / "straight", char_dataset, *common)
