@@ -143,6 +143,22 @@ def autocast(device_type, dtype):
 # Distributed
 
 
+def attempt_store(rank, size):
+    """init_process_group's store for a worker that torchrun restarted (--max-restarts): the rendezvous
+    store with keys of this attempt's own. Without it the new group reads the killed group's addresses and
+    fails to connect (pytorch/pytorch#167288, seen here with gloo). {} (torch's default) on a first start."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        return {}
+    from datetime import timedelta
+
+    from torch.distributed.rendezvous import _create_c10d_store
+
+    store = _create_c10d_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), rank, size,
+                               timedelta(minutes=10))
+    return {"store": dist.PrefixStore(f"smallgpt/attempt_{attempt}", store), "rank": rank, "world_size": size}
+
+
 class Dist:
     """Rank, world size and the collectives this script needs; a no-op world of one without torchrun."""
 
@@ -152,7 +168,7 @@ class Dist:
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.size = int(os.environ.get("WORLD_SIZE", 1))
         if self.enabled:
-            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", **attempt_store(self.rank, self.size))
         self.master = self.rank == 0
 
     def mean(self, tensor):

@@ -31,3 +31,52 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, char_dataset):
     assert max(abs(a - b) for a, b in zip(one, ddp)) <= 1e-5
     assert max(abs(a - b) for a, b in zip(ddp, fsdp)) <= 1e-5
     assert one[0] != one[-1]  # it trained
+
+
+def kill_one_worker_at(out_dir, dataset, iteration, *torchrun_flags):
+    """torchrun with 2 workers (60 steps, a checkpoint every 20, init_from=auto); kill -9 of one worker once
+    `iteration` is logged. Returns (seconds from the kill to the end, return code, output)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *torchrun_flags,
+            "train.py", *TINY_RUN, f"--dataset={dataset}", f"--out_dir={out_dir}", "--max_iters=60",
+            "--eval_interval=20", "--gradient_accumulation_steps=2", "--init_from=auto"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)  # its own process group: nothing outlives the test
+    try:
+        for line in proc.stdout:
+            if line.startswith(f"iter {iteration}:"):
+                break
+        ps = subprocess.run(["ps", "-eo", "pid,ppid"], capture_output=True, text=True).stdout.split("\n")[1:]
+        workers = [int(pid) for pid, ppid in (row.split() for row in ps if row.strip()) if int(ppid) == proc.pid]
+        assert len(workers) == 2
+        killed = time.time()
+        os.kill(workers[1], signal.SIGKILL)
+        output = proc.communicate(timeout=120)[0]
+        return time.time() - killed, proc.returncode, output
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_killed_worker_ends_the_job_and_a_restart_resumes_bit_exact(tmp_path, char_dataset):
+    from checkpoint import load_checkpoint
+
+    straight = torchrun(tmp_path / "straight", char_dataset, "--max_iters=60", "--eval_interval=20",
+                        "--gradient_accumulation_steps=2")  # first: the runs below leave killed workers behind them
+    # no restarts: the job ends (gloo sees the peer gone), with torchrun naming the killed worker; the last
+    # checkpoint (iteration 40) loads
+    seconds, code, output = kill_one_worker_at(tmp_path / "dies", char_dataset, 45)
+    assert code != 0 and seconds < 60 and "Signal 9 (SIGKILL)" in output
+    assert load_checkpoint(str(tmp_path / "dies" / "ckpt.pt"))["iter_num"] == 40
+    # --max-restarts=1 with init_from=auto: the restarted workers resume from it and end as if never killed
+    seconds, code, output = kill_one_worker_at(tmp_path / "restarts", char_dataset, 45, "--max-restarts=1")
+    assert code == 0 and "init_from=auto: resuming" in output, output[-3000:]
+    assert step_losses(tmp_path / "restarts") == straight and len(straight) == 60
