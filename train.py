@@ -269,9 +269,22 @@ def command(argv):
         print(f"error: interrupted again; stopped at once: {os.path.join(c.out_dir, CHECKPOINT)} holds the "
               "last saved state (continue with --init_from=resume)", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
-    if result["signal"] is not None:
-        sys.exit(128 + result["signal"])  # the shell's convention for "ended by this signal"
+    code = 0 if result["signal"] is None else 128 + result["signal"]  # the shell's convention for "ended by this signal"
+    if UNFREED_RUNS:  # under torchrun: end here, before the interpreter frees DDP's reducer (see train())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        sys.exit(code)
     return result
+
+
+# A run under torchrun, kept until the process ends: freeing DDP's reducer joins gloo's worker thread with the
+# GIL held, while that thread may still need the GIL to free a finished collective's tensors (py-spy: main
+# thread in ~Reducer -> ~ProcessGroupGloo -> thread::join, worker in ~AsyncAllgatherWork -> decref): a
+# deadlock at exit, about one run in ten on 2 busy cores even after a barrier. command() ends such a
+# process with os._exit once the checkpoint, logs and output are written.
+UNFREED_RUNS = []
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -573,6 +586,8 @@ def train(c, explicit):
     settled, ckpt, notes = settle_config(c, explicit)
     run = Run(settled, explicit, ckpt)
     c, world = run.c, run.world
+    if world.enabled:
+        UNFREED_RUNS.append(run)
     ckpt_path = os.path.join(c.out_dir, CHECKPOINT)
     if ckpt is not None:
         state.restore(ckpt, run)
