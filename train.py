@@ -269,6 +269,14 @@ def command(argv):
         print(f"error: interrupted again; stopped at once: {os.path.join(c.out_dir, CHECKPOINT)} holds the "
               "last saved state (continue with --init_from=resume)", file=sys.stderr)
         sys.exit(128 + signal.SIGINT)
+    except RuntimeError as e:
+        if not UNFREED_RUNS or not lost_a_process(e):
+            raise
+        rank = UNFREED_RUNS[0].world.rank
+        print(f"error: rank {rank}: another process of this job is gone ({str(e).splitlines()[0][:160]}); "
+              f"{os.path.join(c.out_dir, CHECKPOINT)} holds the last saved state: restart with --init_from=auto "
+              "(torchrun --max-restarts=N does so by itself)", file=sys.stderr, flush=True)
+        os._exit(1)  # not sys.exit: tearing the process group down would wait on the lost process
     code = 0 if result["signal"] is None else 128 + result["signal"]  # the shell's convention for "ended by this signal"
     if UNFREED_RUNS:  # under torchrun: end here, before the interpreter frees DDP's reducer (see train())
         sys.stdout.flush()
@@ -277,6 +285,14 @@ def command(argv):
     if code:
         sys.exit(code)
     return result
+
+
+def lost_a_process(error):
+    """Whether a collective failed because a peer process died: gloo's connection errors (a RuntimeError
+    that names its transport) or torch.distributed's own error classes (NCCL's)."""
+    import torch.distributed as dist
+
+    return isinstance(error, dist.DistError) or "gloo/transport" in str(error) or "Connection reset by peer" in str(error)
 
 
 # A run under torchrun, kept until the process ends: freeing DDP's reducer joins gloo's worker thread with the

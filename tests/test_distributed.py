@@ -75,6 +75,7 @@ def test_a_killed_worker_ends_the_job_and_a_restart_resumes_bit_exact(tmp_path, 
     # checkpoint (iteration 40) loads
     seconds, code, output = kill_one_worker_at(tmp_path / "dies", char_dataset, 45)
     assert code != 0 and seconds < 60 and "Signal 9 (SIGKILL)" in output
+    assert "error: rank 0: another process of this job is gone" in output and "restart with --init_from=auto" in output
     assert load_checkpoint(str(tmp_path / "dies" / "ckpt.pt"))["iter_num"] == 40
     # --max-restarts=1 with init_from=auto: the restarted workers resume from it and end as if never killed
     seconds, code, output = kill_one_worker_at(tmp_path / "restarts", char_dataset, 45, "--max-restarts=1")
