@@ -415,18 +415,18 @@ class Reply:
             index, event = await events.get()
             self.record(index, event)
 
-    def logprobs(self, index, entries, offset=0):
+    def logprobs(self, entries):
         if self.s["logprobs"] is None:
             return None
         tokens = [self.tokenizer.decode([t]) for t, _, _ in entries]
-        offsets = list(itertools.accumulate([offset] + [len(t) for t in tokens[:-1]])) if tokens else []
+        offsets = list(itertools.accumulate([0] + [len(t) for t in tokens[:-1]])) if tokens else []
         return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": [top for _, _, top in entries], "text_offset": offsets}
 
     def choice(self, index):
         prompt_text = self.tokenizer.decode(self.prompt_of(index)) if self.s["echo"] else ""
         return {"text": prompt_text + self.text[index], "index": index,
-                "logprobs": self.logprobs(index, self.entries[index]), "finish_reason": self.finish[index]}
+                "logprobs": self.logprobs(self.entries[index]), "finish_reason": self.finish[index]}
 
     def usage(self):
         prompt_tokens, completion = sum(len(p) for p in self.prompts) * self.s["n"], sum(self.generated)
@@ -438,7 +438,7 @@ class Reply:
 
     def chunk(self, index, text, entries, finish_reason=None):
         body = {"id": self.id, "object": "text_completion", "created": int(time.time()), "model": self.model,
-                "choices": [{"text": text, "index": index, "logprobs": self.logprobs(index, entries) if entries else None,
+                "choices": [{"text": text, "index": index, "logprobs": self.logprobs(entries) if entries else None,
                              "finish_reason": finish_reason}]}
         return f"data: {json.dumps(body)}\n\n"
 

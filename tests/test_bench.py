@@ -46,10 +46,8 @@ def test_matmul_peak_counts_two_flops_per_multiply_add(monkeypatch):
     assert bench.copy_bandwidth("cpu", n_bytes=1 << 20) == 2 * (1 << 20) / 0.5
 
 
-def test_decode_timer_times_the_same_positions_after_its_context(monkeypatch):
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=61)).eval()
-    timer, held = bench.decode_step_timer(model, 10, "cpu", n=3)
-    assert held == 2 * 2 * 10 * 32 * 4  # keys and values of 10 positions, 2 layers, 32 floats each
+def positions_of_two_calls(timer, model, monkeypatch):
+    """Calls the decode timer twice; returns (input shape, cache length) of every forward it ran."""
     starts, hidden_states = [], model.hidden_states
 
     def recording(idx, kv_cache=None):
@@ -58,6 +56,14 @@ def test_decode_timer_times_the_same_positions_after_its_context(monkeypatch):
 
     monkeypatch.setattr(model, "hidden_states", recording)
     assert timer() > 0 and timer() > 0
+    return starts
+
+
+def test_decode_timer_times_the_same_positions_after_its_context(monkeypatch):
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=61)).eval()
+    timer, held = bench.decode_step_timer(model, 10, "cpu", n=3)
+    assert held == 2 * 2 * 10 * 32 * 4  # keys and values of 10 positions, 2 layers, 32 floats each
+    starts = positions_of_two_calls(timer, model, monkeypatch)
     assert starts == [((1, 1), 10), ((1, 1), 11), ((1, 1), 12)] * 2  # one token at a time, rewound each call
     with pytest.raises(bench.ConfigError, match="exceeds block_size"):
         bench.decode_step_timer(model, 62, "cpu", n=3)
@@ -69,14 +75,7 @@ def test_decode_timer_past_block_size_for_a_windowed_model(monkeypatch):
                           attn_pattern="S", attn_window=4)).eval()
     timer, held = bench.decode_step_timer(model, 40, "cpu", n=3)
     assert held == 2 * 2 * 4 * 32 * 4  # the window's 4 positions, not 40
-    starts, hidden_states = [], model.hidden_states
-
-    def recording(idx, kv_cache=None):
-        starts.append((idx.shape, kv_cache.length))
-        return hidden_states(idx, kv_cache)
-
-    monkeypatch.setattr(model, "hidden_states", recording)
-    assert timer() > 0 and timer() > 0
+    starts = positions_of_two_calls(timer, model, monkeypatch)
     assert starts == [((1, 1), 40), ((1, 1), 41), ((1, 1), 42)] * 2
 
 

@@ -29,8 +29,11 @@ def hf_llama(tmp_path, tie, n_kv_heads=2):
         tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
-    # HF initialises norm gains to one; randomise them so the test sees whether they load
+    return saved_with_random_norms(transformers.LlamaForCausalLM(config).eval(), tmp_path)
+
+
+def saved_with_random_norms(model, tmp_path):
+    """HF initialises norm gains to one; randomise them so the test sees whether they load. Saved to tmp_path."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -153,12 +156,7 @@ def test_mistral_imports_with_its_window(tmp_path):
         sliding_window=WINDOW, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
     )  # fmt: skip
     torch.manual_seed(0)
-    theirs = transformers.MistralForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in theirs.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    theirs.save_pretrained(tmp_path)
+    theirs = saved_with_random_norms(transformers.MistralForCausalLM(config).eval(), tmp_path)
     ours = GPT.from_pretrained(str(tmp_path)).eval()
     assert (ours.config.attn_pattern, ours.config.attn_window, ours.config.n_kv_head) == ("S", WINDOW, 2)
     idx = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
