@@ -46,15 +46,40 @@ class Precision:
 
 
 def pick_device(name):
+    """The device name for a device key's value; on CPU, also keep_freed_memory()."""
     if name == "auto":
-        if torch.cuda.is_available():
-            return "cuda"
-        return "mps" if torch.backends.mps.is_available() else "cpu"
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but CUDA is not available; use device=cpu or device=auto")
     if name == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("device=mps but MPS is not available; use device=cpu or device=auto")
+    if name == "cpu":
+        keep_freed_memory()
     return name
+
+
+MALLOC_OVERRIDE = "SMALLGPT_MALLOC"
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+HEAP_KEEP = 1 << 30
+
+
+@lru_cache(maxsize=None)
+def keep_freed_memory():
+    """Tells glibc's malloc to keep freed memory for reuse (up to 1 GiB of it) instead of handing it back
+    to the kernel. By default a freed block over its mmap threshold (at most 32 MB) is unmapped and a
+    freed heap top over 128 KB is trimmed, so the next training step's tensors of the same sizes fault
+    their pages back in, zeroed by the kernel: a CPU step of a GPT-2-vocabulary model spent more time
+    in the kernel than in torch (docs/research_log.md, 2026-12-01). True when set; False off glibc (macOS,
+    Windows, musl) or with SMALLGPT_MALLOC=0 (the process's memory then shrinks back after a peak)."""
+    if os.environ.get(MALLOC_OVERRIDE) == "0" or platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc":
+        return False
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(M_TRIM_THRESHOLD, HEAP_KEEP)) and bool(mallopt(M_MMAP_THRESHOLD, HEAP_KEEP))
 
 
 def cpu_facts():

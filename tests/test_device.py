@@ -140,3 +140,45 @@ def test_measuring_leaves_the_global_rng_alone():
     state = torch.get_rng_state()
     assert device.bf16_matmul_speedup(n=64, repeats=1) > 0
     assert torch.equal(torch.get_rng_state(), state)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The CPU heap
+
+FAULTS_OF_TRAINING_STEPS = """
+import resource, torch, device
+from model import GPT, GPTConfig
+torch.manual_seed(0)
+model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=50257))
+opt = torch.optim.AdamW(model.parameters())
+x = torch.randint(0, 50257, (8, 33))
+def faults_of_steps(n):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for step in range(n):
+        model(x[:, :-1], x[:, 1:])[1].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults_of_steps(2)  # the first steps fault their pages in either way
+default = faults_of_steps(3)
+name = device.pick_device("cpu")
+faults_of_steps(2)  # again, now into a heap that keeps them
+print(name, device.keep_freed_memory(), default, faults_of_steps(3))
+"""
+
+
+@pytest.mark.skipif(not (os.uname().sysname == "Linux" and __import__("platform").libc_ver()[0] == "glibc"),
+                    reason="the heap setting is glibc's (Linux); elsewhere keep_freed_memory() does nothing")
+def test_cpu_runs_reuse_freed_memory_instead_of_faulting_it_back():
+    """Each training step frees and re-allocates tensors of the same sizes (here 51 MB of logits and their
+    gradient); by default glibc unmaps the big ones and every step faults them back in, page by page.
+    After pick_device('cpu') they are reused (measured: 163,283 page faults in 3 steps against 12,288)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != device.MALLOC_OVERRIDE}
+    done = subprocess.run([sys.executable, "-c", FAULTS_OF_TRAINING_STEPS], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    name, kept, default, after = done.stdout.split()
+    assert (name, kept) == ("cpu", "True")
+    assert int(default) > 4 * int(after), (default, after)
