@@ -71,13 +71,13 @@ def task_folder(tmp_path_factory):
 def manager(task_folder):
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(task_folder[0]))
+    return TaskManager(include_path=str(task_folder[0]), include_defaults=False)
 
 
 def trained_and_exported(tmp_path, bpe_dataset, arch):
     out, hf_dir = tmp_path / "run", tmp_path / "hf"
     trained = run_script("train.py", *TINY_RUN, *ARCHITECTURES[arch], f"--dataset={bpe_dataset}", f"--out_dir={out}",
-                         "--max_iters=300", "--eval_interval=300", "--learning_rate=1e-2", "--batch_size=8")
+                         "--max_iters=120", "--eval_interval=120", "--learning_rate=2e-2", "--batch_size=8")
     assert trained.returncode == 0, trained.stderr
     exported = run_script("export.py", f"--out_dir={out}", f"--hf_dir={hf_dir}")
     assert exported.returncode == 0, exported.stderr
