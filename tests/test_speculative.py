@@ -2,6 +2,7 @@
 distributed exactly as the target's (chi-square against the exact distribution; a broken rule fails)."""
 
 import itertools
+import math
 import os
 import signal
 import subprocess
@@ -111,7 +112,12 @@ def test_bad_drafts_are_refused():
 # Sampling: the distribution of the first and the fifth new token over many seeded runs
 
 
-VOCAB, PROMPT, RUNS = 4, [0, 1], 20_000
+VOCAB, PROMPT = 4, [0, 1]
+# How many seeded runs a chi-square test needs: enough that a deviation of Cohen's effect size w = 0.1 (a
+# "small" effect: sqrt(sum (p_wrong - p)^2 / p) = 0.1) fails the test at the 1e-3 level with probability
+# 0.99 (power from the noncentral chi-square). A rule that is right fails it with probability 1e-3 per
+# p-value, whatever the count; the seeds are fixed, so a given tree passes or fails every time.
+ALPHA, POWER, SMALL_EFFECT = 1e-3, 0.99, 0.1
 
 
 def small(seed):
@@ -130,11 +136,44 @@ def exact_distributions(target, positions=(1, 5), temperature=1.0):
     return out
 
 
+def chi_square_sf(stat, df):
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
 def chi_square_p(counts, probs):
     expected = probs * counts.sum()
-    stat = float(((counts - expected) ** 2 / expected).sum())
-    df = len(counts) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return chi_square_sf(float(((counts - expected) ** 2 / expected).sum()), len(counts) - 1)
+
+
+def runs_for_power(effect, df, alpha=ALPHA, power=POWER):
+    """The fewest runs n at which a true effect size `effect` gives p < alpha with probability >= power:
+    the statistic is then noncentral chi-square with noncentrality n * effect^2 (Cohen 1988, ch. 7),
+    whose tail is a Poisson(lambda/2) mixture of central chi-square tails."""
+    lo, hi = 0.0, 1e3  # the critical value: chi_square_sf(critical, df) = alpha
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if chi_square_sf(mid, df) > alpha else (lo, mid)
+    critical = hi
+
+    def power_at(n):
+        half = n * effect**2 / 2
+        return sum(math.exp(j * math.log(half) - half - math.lgamma(j + 1)) * chi_square_sf(critical, df + 2 * j)
+                   for j in range(int(half + 10 * math.sqrt(half) + 50)))
+
+    lo, hi = 1, 2  # power_at(lo) < power <= power_at(hi), then bisection
+    while power_at(hi) < power:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if power_at(mid) < power else (lo, mid)
+    return hi
+
+
+def test_runs_for_power_matches_cohens_tables():
+    """Cohen (1988), Table 7.4.6: power 0.80 at alpha 0.05 needs noncentrality 7.85 at df 1 and 10.90 at
+    df 3, so n = 7.85 / 0.3^2 = 87.2 and 10.90 / 0.09 = 121.1 runs for w = 0.3."""
+    assert runs_for_power(0.3, 1, alpha=0.05, power=0.80) == 88
+    assert runs_for_power(0.3, 3, alpha=0.05, power=0.80) == 122
 
 
 def accept_every_draft(logits, drafts, q, sampling, generator=None):
@@ -160,15 +199,17 @@ def test_sampled_tokens_follow_the_targets_exact_distribution(monkeypatch, one_t
     assert (exact[1] - drafted).abs().sum() > 0.3  # the draft's first-token distribution is far from the target's
     if rule == "broken":
         monkeypatch.setattr(speculative, "accept_drafts", accept_every_draft)
+    effect = float(((drafted - exact[1]) ** 2 / exact[1]).sum().sqrt())  # the broken rule's first token: the draft's
+    runs = runs_for_power(SMALL_EFFECT if rule == "leviathan" else effect, VOCAB - 1)  # 3,794 and 76
     counts = {n: torch.zeros(VOCAB, dtype=torch.float64) for n in exact}
     prompt = torch.tensor([PROMPT])
-    for seed in range(RUNS):
+    for seed in range(runs):
         out = speculative.generate(target, prompt, 5, Sampling(temperature=1.0), draft,
                                    generator=torch.Generator().manual_seed(seed))[0, len(PROMPT) :]
         for n in counts:
             counts[n][out[n - 1]] += 1
     p_values = {n: chi_square_p(counts[n], exact[n]) for n in counts}
-    print(rule, "chi-square p-values (first, fifth token):", p_values, "acceptance", draft.accepted / draft.proposed)
+    print(rule, runs, "runs, chi-square p-values (first, fifth token):", p_values, "acceptance", draft.accepted / draft.proposed)
     if rule == "leviathan":
         assert min(p_values.values()) > 1e-3, p_values
     else:
@@ -183,7 +224,7 @@ def test_a_certain_proposal_keeps_the_targets_distribution():
     p = torch.softmax(logits[0].double(), -1)
     drafted = int(p.argmin())  # an unlikely proposal: mostly rejected
     counts = {rule: torch.zeros(6, dtype=torch.float64) for rule in ("leviathan", "broken")}
-    for seed in range(RUNS):
+    for seed in range(runs_for_power(SMALL_EFFECT, len(p) - 1)):
         generator = torch.Generator().manual_seed(seed)
         counts["leviathan"][speculative.accept_drafts(logits, torch.tensor([drafted]), None, Sampling(), generator)[0]] += 1
         counts["broken"][accept_every_draft(logits, torch.tensor([drafted]), None, Sampling(), generator)[0]] += 1
