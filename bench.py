@@ -31,7 +31,7 @@ from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import write_json
 from model import MODEL_CHOICES, GPT, ModelKeys, Sampling, lm_loss, model_config
 from optim import OPTIMIZERS, build_optimizers
-from quantize import WEIGHTS_DTYPES, Int8Linear, for_inference
+from quantize import ROW_PRODUCTS, WEIGHTS_DTYPES, Int8Linear, RowLinear, for_inference, row_product_choices
 from device import COMPUTE_DTYPES, DEVICES, autocast, cpu_facts, cuda_peak_flops, estimate_mfu, pick_device, pick_dtype, precision
 
 
@@ -51,7 +51,7 @@ class BenchConfig(ModelKeys):  # and every model key (model.ModelKeys)
     prompt_len: int = 512  # sampling: prompt tokens (prefill)
     new_tokens: int = 200  # sampling: generated tokens (greedy)
     contexts: str = "10,100,1000"  # sampling: decode ms per token at these context lengths
-    compare: str = ""  # hf: also the same model in transformers; float32 (train): ours without autocast; adamw (train): ours with AdamW
+    compare: str = ""  # hf: also the same model in transformers; float32 (train): ours without autocast; adamw (train): ours with AdamW; row_products (sample, CPU): each one-row product
     compare_patterns: str = ""  # train: also these attn_patterns of the same shape, interleaved (e.g. L,R,SL; S layers take attn_window)
     hf_dtype: str = "float32"  # transformers' dtype for --compare=hf (its weights and compute)
     draft: str = ""  # sampling: speculative decoding with ngram (prompt lookup) or a draft model's out_dir; "" = off
@@ -62,7 +62,7 @@ class BenchConfig(ModelKeys):  # and every model key (model.ModelKeys)
 
 
 BENCH_CHOICES = {"dtype": COMPUTE_DTYPES, "device": DEVICES,
-           "weights_dtype": WEIGHTS_DTYPES, "compare": ("", "hf", "float32", "adamw"), "optimizer": tuple(OPTIMIZERS),
+           "weights_dtype": WEIGHTS_DTYPES, "compare": ("", "hf", "float32", "adamw", "row_products"), "optimizer": tuple(OPTIMIZERS),
            "hf_dtype": ("float32", "bfloat16"), **MODEL_CHOICES}  # fmt: skip
 GREEDY = Sampling(temperature=0)
 
@@ -200,6 +200,8 @@ def bench_train(model, c, device, dtype):
     config = model.config
     if c.compare == "adamw" and c.optimizer == "adamw":
         raise ConfigError("compare=adamw measures another optimizer against AdamW: set optimizer=muon")
+    if c.compare == "row_products":
+        raise ConfigError("compare=row_products times decoding: use it with bench.py sample")
     B, T = c.batch_size, config.block_size
     g = torch.Generator().manual_seed(c.seed)
     x = torch.randint(config.vocab_size, (B, T), generator=g).to(device)
@@ -302,7 +304,7 @@ def bytes_read_per_token(model):
 def bench_sample(model, tokenizer, c, device):
     config = model.config
     if c.compare in ("float32", "adamw"):
-        raise ConfigError(f"compare={c.compare} is for training; sampling compares with compare=hf only")
+        raise ConfigError(f"compare={c.compare} is for training; sampling compares with compare=hf or row_products")
     twin = hf_twin(model.eval(), c.hf_dtype).eval() if c.compare == "hf" else None  # from fp32 weights
     model = checked(for_inference, model, c.weights_dtype)
     P, N = c.prompt_len, c.new_tokens
@@ -316,6 +318,21 @@ def bench_sample(model, tokenizer, c, device):
         "prefill": lambda: model.next_logits(prompt, P, model.new_cache()),
         "ours": lambda: model.generate(prompt, N, GREEDY),
     }
+    rows = [m for m in model.modules() if isinstance(m, RowLinear)]
+    chosen = rows[0].product if rows else None
+    if c.compare == "row_products":
+        if not rows:
+            raise ConfigError("compare=row_products: this model has no one-row products to compare (CPU, float weights only)")
+
+        def with_product(name):
+            def run():
+                for m in rows:
+                    m.product = name
+                return model.generate(prompt, N, GREEDY)
+            return run
+
+        runs["ours"] = with_product(chosen)
+        runs.update({f"ours_{name}": with_product(name) for name in ROW_PRODUCTS})
     if twin is not None:
         mask = torch.ones_like(prompt)
         runs["hf"] = lambda: twin.generate(prompt, attention_mask=mask, max_new_tokens=N, min_new_tokens=N,
@@ -325,6 +342,7 @@ def bench_sample(model, tokenizer, c, device):
             for _ in range(c.warmup):
                 run()
         times = interleave({name: (lambda run=run: seconds(run, device)) for name, run in runs.items()}, c.rounds)
+        runs["ours"]()  # the chosen product back in place
     prefill, total = statistics.median(times["prefill"]), statistics.median(times["ours"])
     weight_bytes = bytes_read_per_token(model)
     bandwidth = copy_bandwidth(device)
@@ -337,6 +355,10 @@ def bench_sample(model, tokenizer, c, device):
         "fraction_of_roofline": (1 / decode_per_token) / (bandwidth / weight_bytes),
         **decode_by_context(model, c, device), **peak_memory(device),
     }  # fmt: skip
+    if c.compare == "row_products":
+        result.update(row_product=chosen,
+                      generate_tokens_per_sec_by_row_product={n: N / statistics.median(times[f"ours_{n}"]) for n in ROW_PRODUCTS},
+                      chosen_vs_row_product={n: median_ratio(times, f"ours_{n}", "ours") for n in ROW_PRODUCTS})
     if "hf" in times:
         result.update(hf_generate_tokens_per_sec=N / statistics.median(times["hf"]), hf_dtype=c.hf_dtype,
                       speedup_vs_hf=median_ratio(times, "hf", "ours"))
@@ -443,7 +465,7 @@ def report(results):
             if isinstance(v, float):
                 v = f"{v:.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
             elif isinstance(v, dict):
-                v = ", ".join(f"{a}: {b:.3f}" for a, b in v.items())
+                v = ", ".join(f"{a}: {b:.3f}" if isinstance(b, float) else f"{a}: {b}" for a, b in v.items())
             elif isinstance(v, list):
                 v = ", ".join(f"{x:.1f}" for x in v)
             print(f"  {k:<34} {v}")
@@ -472,6 +494,7 @@ def run_benchmarks(argv):
     if what in ("sample", "all"):
         model, tokenizer = build_model(c, device, with_tokenizer=bool(c.prompt_file or c.draft))
         results["sample"] = bench_sample(model, tokenizer, c, device)
+    results["machine"]["row_products"] = row_product_choices() or "none chosen (no CPU inference)"
     report(results)
     if c.json:
         write_json(c.json, {"config": asdict(c), "results": results})

@@ -1,38 +1,112 @@
 """
-Weights for inference: bf16 through MatVecLinear, int8 through Int8Linear, and for_inference, the one
+Weights for inference: one-row products through RowLinear, int8 through Int8Linear, and for_inference, the one
 entry point sample.py and bench.py use. Decoding one token reads every weight once, so its speed is the
 bytes per weight and the bandwidth of the kernel that reads them.
 """
+
+import os
+import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from device import precision
+from configurator import ConfigError
 
 
-class MatVecLinear(nn.Linear):
-    """A Linear that computes a single row (one token being decoded) as a matrix-vector product. On CPU,
-    torch 2.13 sends a one-row bf16 linear through a matrix-matrix path that reads bf16 weights at under
-    half fp32's bytes/s; addmv reads them at 60-100% of fp32's rate (at half the bytes), so GPT-2 small
-    decodes faster in bf16 than in fp32 instead of slower (docs/research_log.md). More rows (a prefill,
-    a batch) take the usual path.
+def onednn_linear(row, weight, bias):
+    return torch.ops.mkldnn._linear_pointwise(row, weight, bias, "none", [], "")
 
-    fuse_bias: the bias inside addmv (one rounding). On CPUs without fast bf16 (AVX2), aten's bf16 addmv
-    with a bias runs at a quarter of mv's speed, so there the bias is added after mv."""
 
-    fuse_bias = True
+# One row times a weight matrix, four ways (row: 1 x in_features). MKL streams the weights at memory speed
+# in "linear" on Intel CPUs and far below it on AMD ones (or under MKL_CBWR=COMPATIBLE, its generic code);
+# aten's own bf16 kernel reads bf16 weights at under half fp32's bytes/s in "linear" but not in mv
+# (docs/research_log.md). Their order is the order of preference: a later one is chosen only when it is
+# clearly faster.
+ROW_PRODUCTS = {
+    "linear": F.linear,
+    "addmv": lambda row, weight, bias: torch.mv(weight, row[0]) if bias is None else torch.addmv(bias, weight, row[0]),
+    "mv": lambda row, weight, bias: torch.mv(weight, row[0]) if bias is None else torch.mv(weight, row[0]) + bias,
+    "onednn": onednn_linear,
+}
+ROW_OVERRIDE = "SMALLGPT_ROW_PRODUCT"
+MIN_GAIN = 1.2  # a later product must beat the chosen one by this much: near ties keep the earlier one, run after run
+MEASURED_BYTES = 128 << 20  # at most this much of the model's weights is streamed per timing
+_chosen = {}  # dtype -> (name, {name: GB/s}): the decision, once per process
+
+
+def time_row_products(linears, rounds=5):
+    """{name: GB/s} of each row product over these (weight, bias) pairs, best of interleaved rounds."""
+    generator = torch.Generator().manual_seed(0)
+    rows = {w.size(1): torch.randn(1, w.size(1), generator=generator).to(w.dtype) for w, _ in linears}
+    best = dict.fromkeys(ROW_PRODUCTS, float("inf"))
+    products = dict(ROW_PRODUCTS)
+    with torch.no_grad():
+        for r in range(rounds + 1):  # round 0 warms up (and pages the weights in)
+            for name, product in list(products.items()):
+                start = time.perf_counter()
+                try:
+                    for w, b in linears:
+                        product(rows[w.size(1)], w, b)
+                except (RuntimeError, AttributeError, NotImplementedError):  # e.g. oneDNN without fp16, or no oneDNN
+                    del products[name]
+                    continue
+                if r:
+                    best[name] = min(best[name], time.perf_counter() - start)
+    size = sum(w.numel() * w.element_size() for w, _ in linears)
+    return {name: size / seconds / 1e9 for name, seconds in best.items()}  # 0.0: not available here
+
+
+def pick_row_product(speeds):
+    """The name to use, from time_row_products' figures: by ROW_PRODUCTS' order, a later one only at
+    MIN_GAIN times the speed of the one chosen so far."""
+    chosen = next(iter(ROW_PRODUCTS))
+    for name in ROW_PRODUCTS:
+        if speeds[name] >= MIN_GAIN * speeds[chosen]:
+            chosen = name
+    return chosen
+
+
+def row_product(linears):
+    """The row product for one-row Linears of this dtype on this CPU: measured once per process over the
+    first model's (weight, bias) pairs (under a second), as device.precision decides bf16.
+    SMALLGPT_ROW_PRODUCT=name chooses without measuring."""
+    dtype = linears[0][0].dtype
+    if dtype not in _chosen:
+        override = os.environ.get(ROW_OVERRIDE)
+        if override is not None and override not in ROW_PRODUCTS:
+            raise ConfigError(f"{ROW_OVERRIDE}={override!r}: use one of {', '.join(ROW_PRODUCTS)}, or unset it")
+        if override:
+            _chosen[dtype] = (override, {})
+        else:
+            kept, size = [], 0
+            for w, b in linears:
+                if size < MEASURED_BYTES:
+                    kept.append((w, b))
+                    size += w.numel() * w.element_size()
+            speeds = time_row_products(kept)
+            _chosen[dtype] = (pick_row_product(speeds), speeds)
+    return _chosen[dtype][0]
+
+
+def row_product_choices():
+    """{dtype: 'name (GB/s of each)'} for the decisions this process made: bench.py's machine lines."""
+    return {str(dtype).replace("torch.", ""): name + (" (" + ", ".join(f"{n} {v:.1f}" for n, v in speeds.items()) + " GB/s)"
+                                                      if speeds else f" ({ROW_OVERRIDE})")
+            for dtype, (name, speeds) in _chosen.items()}
+
+
+class RowLinear(nn.Linear):
+    """A Linear that computes a single row (one token being decoded) with a chosen product (ROW_PRODUCTS),
+    since the fastest one-row kernel differs between CPUs by up to 4x; more rows (a prefill, a batch) take
+    F.linear."""
+
+    product = "linear"
 
     def forward(self, x):
         if x.numel() != x.size(-1):
             return F.linear(x, self.weight, self.bias)
-        row = x.reshape(-1)
-        if self.bias is None:
-            y = torch.mv(self.weight, row)
-        elif self.fuse_bias:
-            y = torch.addmv(self.bias, self.weight, row)
-        else:
-            y = torch.mv(self.weight, row) + self.bias
+        y = ROW_PRODUCTS[self.product](x.reshape(1, -1), self.weight, self.bias)
         return y.view(*x.shape[:-1], -1)
 
 
@@ -71,10 +145,10 @@ def replace_linears(model, make):
                 setattr(parent, name, make(child))
 
 
-def matvec_linear(linear, fuse_bias=True):
-    new = MatVecLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+def row_linear(linear, product):
+    new = RowLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
     new.weight, new.bias = linear.weight, linear.bias  # the same Parameters: a tied head stays tied
-    new.fuse_bias = fuse_bias
+    new.product = product
     return new
 
 
@@ -92,12 +166,13 @@ WEIGHTS_DTYPES = ("float32", "bfloat16", "float16", "int8")  # what for_inferenc
 
 def for_inference(model, weights_dtype):
     """The model in eval mode with its weights in weights_dtype (float32, bfloat16, float16, or int8 =
-    quantize_int8), in place. bf16 on CPU decodes through MatVecLinear, its bias fused where bf16 is
-    fast (device.precision)."""
+    quantize_int8), in place. On CPU, one-token steps go through RowLinear with the row product measured
+    fastest here (row_product)."""
     if weights_dtype == "int8":
         return quantize_int8(model)
     model.eval().to(dtype=getattr(torch, weights_dtype))
-    if weights_dtype == "bfloat16" and next(model.parameters()).device.type == "cpu":
-        fuse_bias = precision("cpu").bf16_fast
-        replace_linears(model, lambda linear: matvec_linear(linear, fuse_bias))
+    if next(model.parameters()).device.type == "cpu":
+        linears = {id(m.weight): (m.weight.detach(), m.bias) for m in model.modules() if type(m) is nn.Linear}
+        product = row_product(list(linears.values()))
+        replace_linears(model, lambda linear: row_linear(linear, product))
     return model

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import bench
+import quantize
 from model import GPT, GPTConfig
 
 SHAPE = ["--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=64", "--vocab_size=61", "--device=cpu"]
@@ -102,6 +103,16 @@ def test_compare_and_sample_figures(tmp_path):
     assert s["fraction_of_roofline"] == pytest.approx(s["decode_tokens_per_sec"] / s["roofline_tokens_per_sec"])
     assert set(s["decode_ms_per_token_at_context"]) == {4, 30} and s["speedup_vs_hf"] > 0
     assert s["decode_longest_vs_shortest_context"] > 0
+
+
+def test_row_products_are_timed_side_by_side_and_named(capsys):
+    results = bench.main(["sample", *SHAPE, "--rounds=5", "--warmup=0", "--prompt_len=8", "--new_tokens=8",
+                          "--contexts=4", "--compare=row_products", "--dtype=float32"])
+    s = results["sample"]
+    assert set(s["generate_tokens_per_sec_by_row_product"]) == set(quantize.ROW_PRODUCTS) == set(s["chosen_vs_row_product"])
+    assert s["row_product"] in quantize.ROW_PRODUCTS and all(v > 0 for v in s["generate_tokens_per_sec_by_row_product"].values())
+    assert results["machine"]["row_products"]["float32"].startswith(s["row_product"] + " ")
+    assert f"float32: {s['row_product']} (linear " in capsys.readouterr().out  # the machine line names the choice
 
 
 def test_bytes_per_token_count_what_a_decode_step_reads():
