@@ -187,13 +187,19 @@ def attempt_store(rank, size):
 class Dist:
     """Rank, world size and the collectives this script needs; a no-op world of one without torchrun."""
 
-    def __init__(self, device_type):
+    def __init__(self, device_type, timeout=None):
+        """timeout: seconds a collective waits for a peer (None: torch's, 10 min for nccl, 30 for gloo)."""
+        from datetime import timedelta
+
         self.enabled = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        self.failed = False  # set when the run ends with an error: close() then skips its barrier
         self.rank = int(os.environ.get("RANK", 0))
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.size = int(os.environ.get("WORLD_SIZE", 1))
         if self.enabled:
-            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", **attempt_store(self.rank, self.size))
+            dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo",
+                                    timeout=None if timeout is None else timedelta(seconds=timeout),
+                                    **attempt_store(self.rank, self.size))
         self.master = self.rank == 0
 
     def mean(self, tensor):
@@ -218,7 +224,7 @@ class Dist:
         return out
 
     def close(self):
-        if self.enabled:
+        if self.enabled and not self.failed:
             # A barrier first: it waits with the GIL released, so gloo's worker thread can free the last
             # collective's work (all_gather_object's holds Python tensors). Without it the DDP reducer,
             # freed later with the GIL held, joined that thread while it waited for the GIL: a deadlock

@@ -20,7 +20,6 @@ from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_optimizer_state_dict
 
 from checkpoint import CHECKPOINT, METRICS, ContextKeys, RunLock, load_checkpoint, save_checkpoint, tokens_per_step
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
@@ -64,6 +63,7 @@ class TrainConfig(ModelKeys):  # and every model key (model.ModelKeys)
     dtype: str = "auto"  # auto: bf16 where it runs faster than fp32 (CUDA with bf16, AMX CPUs; see device.py), fp16 on older CUDA, else float32
     compile: bool = False  # torch.compile the model (about 30 s of compiling on a 2-core CPU)
     fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP
+    dist_timeout: int = 600  # under torchrun: seconds a collective waits for a silent peer (a lost node resets no connection) before the job ends
     seed: int = 1337
     skip_nonfinite: bool = False  # a non-finite loss or gradient norm: False stops the run, True skips that step
     # logging
@@ -83,7 +83,8 @@ def config_keys():
 
 def check_config(c):
     """Values that parse but cannot work; each a ConfigError naming the key."""
-    positive = ["max_iters", "eval_interval", "eval_iters", "log_interval", "batch_size", "gradient_accumulation_steps"]
+    positive = ["max_iters", "eval_interval", "eval_iters", "log_interval", "batch_size", "gradient_accumulation_steps",
+                "dist_timeout"]
     for key in positive:
         if getattr(c, key) < 1:
             raise ConfigError(f"{key}={getattr(c, key)} must be >= 1")
@@ -273,7 +274,7 @@ def command(argv):
         if not UNFREED_RUNS or not lost_a_process(e):
             raise
         rank = UNFREED_RUNS[0].world.rank
-        print(f"error: rank {rank}: another process of this job is gone ({str(e).splitlines()[0][:160]}); "
+        print(f"error: rank {rank}: another process of this job is gone or silent ({str(e).splitlines()[0][:160]}); "
               f"{os.path.join(c.out_dir, CHECKPOINT)} holds the last saved state: restart with --init_from=auto "
               "(torchrun --max-restarts=N does so by itself)", file=sys.stderr, flush=True)
         os._exit(1)  # not sys.exit: tearing the process group down would wait on the lost process
@@ -288,11 +289,13 @@ def command(argv):
 
 
 def lost_a_process(error):
-    """Whether a collective failed because a peer process died: gloo's connection errors (a RuntimeError
-    that names its transport) or torch.distributed's own error classes (NCCL's)."""
+    """Whether a collective failed because a peer process died or fell silent past dist_timeout: gloo's
+    connection errors and timeouts (RuntimeErrors that name them) or torch.distributed's own error classes
+    (NCCL's)."""
     import torch.distributed as dist
 
-    return isinstance(error, dist.DistError) or "gloo/transport" in str(error) or "Connection reset by peer" in str(error)
+    return isinstance(error, dist.DistError) or any(
+        sign in str(error) for sign in ("gloo/transport", "Connection reset by peer", "Timed out waiting"))
 
 
 # A run under torchrun, kept until the process ends: freeing DDP's reducer joins gloo's worker thread with the
@@ -340,7 +343,7 @@ class Run:
     def __init__(self, c, explicit, ckpt):
         # device, processes, precision
         self.device_type = pick_device(c.device)
-        self.world = world = Dist(self.device_type)
+        self.world = world = Dist(self.device_type, c.dist_timeout)
         self.device = f"cuda:{world.local_rank}" if self.device_type == "cuda" else self.device_type
         if self.device_type == "cuda":
             torch.cuda.set_device(self.device)
@@ -508,6 +511,9 @@ class RunState:
         return self.elapsed_before + time.perf_counter() - self.started
 
     def restore(self, ckpt, run):
+        # imported here, as in save(): 0.65 s that --help and a refused configuration need not wait for
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
         set_optimizer_state_dict(run.raw_model, run.optimizers, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
         if ckpt["scaler"]:
             run.scaler.load_state_dict(ckpt["scaler"])
@@ -522,6 +528,8 @@ class RunState:
         self.metrics_bytes, self.elapsed_before = ckpt["metrics_bytes"], ckpt["elapsed"]
 
     def save(self, run, path, logger):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_state, optim_state = get_state_dict(run.raw_model, run.optimizers, options=options)
         cuda = run.device_type == "cuda"
@@ -688,6 +696,9 @@ def train(c, explicit):
                 signum = stop.signum if stop.signum is not None else signal.SIGTERM
                 return {"iter": state.iter_num, "signal": int(signum), "best_val_loss": state.best_val}
         return {"iter": state.iter_num, "signal": None, "best_val_loss": state.best_val}
+    except BaseException:
+        world.failed = True  # no closing barrier: a peer may be gone, and the error must reach command() as it is
+        raise
     finally:
         for part in (stop, logger):
             if part is not None:

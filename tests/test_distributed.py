@@ -33,9 +33,11 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, char_dataset):
     assert one[0] != one[-1]  # it trained
 
 
-def kill_one_worker_at(out_dir, dataset, iteration, *torchrun_flags):
+def kill_one_worker_at(out_dir, dataset, iteration, *torchrun_flags, sig=None, stopped_until=None, extra=()):
     """torchrun with 2 workers (60 steps, a checkpoint every 20, init_from=auto); kill -9 of one worker once
-    `iteration` is logged. Returns (seconds from the kill to the end, return code, output)."""
+    `iteration` is logged. Returns (seconds from the kill to the end, return code, output). With
+    sig=SIGSTOP (a node that falls silent: no connection is reset), seconds until a line containing
+    stopped_until appears; then the stopped worker is killed, as a lost node's processes would be."""
     import os
     import signal
     import subprocess
@@ -46,19 +48,35 @@ def kill_one_worker_at(out_dir, dataset, iteration, *torchrun_flags):
 
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *torchrun_flags,
             "train.py", *TINY_RUN, f"--dataset={dataset}", f"--out_dir={out_dir}", "--max_iters=60",
-            "--eval_interval=20", "--gradient_accumulation_steps=2", "--init_from=auto"]
+            "--eval_interval=20", "--gradient_accumulation_steps=2", "--init_from=auto", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)  # its own process group: nothing outlives the test
     try:
+        seen = []
         for line in proc.stdout:
+            seen.append(line)
             if line.startswith(f"iter {iteration}:"):
                 break
         ps = subprocess.run(["ps", "-eo", "pid,ppid"], capture_output=True, text=True).stdout.split("\n")[1:]
         workers = [int(pid) for pid, ppid in (row.split() for row in ps if row.strip()) if int(ppid) == proc.pid]
         assert len(workers) == 2
         killed = time.time()
-        os.kill(workers[1], signal.SIGKILL)
+        os.kill(workers[1], sig or signal.SIGKILL)
+        if stopped_until is not None:
+            import threading
+
+            guard = threading.Timer(90, os.killpg, (proc.pid, signal.SIGKILL))  # no timeout would mean 30 min
+            guard.start()
+            for line in proc.stdout:
+                seen.append(line)
+                if stopped_until in line:
+                    break
+            seconds = time.time() - killed
+            guard.cancel()
+            if proc.poll() is None:
+                os.kill(workers[1], signal.SIGKILL)
+            return seconds, proc.wait(timeout=120), "".join(seen) + proc.communicate(timeout=120)[0]
         output = proc.communicate(timeout=120)[0]
         return time.time() - killed, proc.returncode, output
     finally:
@@ -81,3 +99,19 @@ def test_a_killed_worker_ends_the_job_and_a_restart_resumes_bit_exact(tmp_path, 
     seconds, code, output = kill_one_worker_at(tmp_path / "restarts", char_dataset, 45, "--max-restarts=1")
     assert code == 0 and "init_from=auto: resuming" in output, output[-3000:]
     assert step_losses(tmp_path / "restarts") == straight and len(straight) == 60
+
+
+def test_a_silent_worker_ends_the_job_after_dist_timeout(tmp_path, char_dataset):
+    """A node lost across hosts resets no connection: its peers wait in their next collective. SIGSTOP
+    stands in for it; with --dist_timeout=3 the other rank gives up after 3 s with the one line (torch's
+    default would wait 30 minutes on gloo), and the last checkpoint (iteration 20) loads."""
+    import signal
+
+    from checkpoint import load_checkpoint
+
+    silent = "another process of this job is gone or silent"
+    seconds, code, output = kill_one_worker_at(tmp_path, char_dataset, 25, sig=signal.SIGSTOP, stopped_until=silent,
+                                               extra=["--dist_timeout=3"])
+    assert silent in output and "Timed out" in output and "restart with --init_from=auto" in output, output[-3000:]
+    assert 3 <= seconds < 60 and code != 0
+    assert load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] == 20
