@@ -66,7 +66,14 @@ def kill_one_worker_at(out_dir, dataset, iteration, *torchrun_flags, sig=None, s
         if stopped_until is not None:
             import threading
 
-            guard = threading.Timer(90, os.killpg, (proc.pid, signal.SIGKILL))  # no timeout would mean 30 min
+            def kill_all():  # torchrun's workers have sessions of their own: killed one by one
+                for pid in workers:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+
+            guard = threading.Timer(90, kill_all)  # without a working timeout the wait would be 30 minutes
             guard.start()
             for line in proc.stdout:
                 seen.append(line)
