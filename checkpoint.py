@@ -53,6 +53,9 @@ def load_checkpoint(path, map_location="cpu", mmap=False):
     """The checkpoint's state, checked. mmap=True maps the tensors instead of reading them: for callers
     that want its configs only."""
     if not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if os.path.basename(parent) == CHECKPOINT:  # --out_dir=run/ckpt.pt: the file itself was given
+            raise CheckpointError(f"{parent} is the checkpoint file; out_dir takes its folder: --out_dir={os.path.dirname(parent) or '.'}")
         raise CheckpointError(f"{path}: no such checkpoint; train one first, or check out_dir")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)

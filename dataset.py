@@ -249,10 +249,57 @@ class HFTokenizer:
         self.eot_token = eot_token
 
     def encode(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids
+        try:
+            return self.tok.encode(text, add_special_tokens=False).ids
+        except Exception as e:  # a word-level vocabulary without an unknown token (a character model's export)
+            unknown = sorted({ch for ch in text if self.tok.token_to_id(ch) is None})
+            if "Missing [UNK] token" not in str(e) or not unknown:
+                raise
+            raise DataError(f"characters not in the vocabulary: {''.join(unknown)!r}; a character-level model "
+                            f"knows only the {self.vocab_size} characters of its training text") from None
 
     def decode(self, ids):
         return self.tok.decode(list(ids))
+
+    def token_bytes(self):
+        """UTF-8 bytes of each token id, for bits per byte: a byte-level BPE token has one character per
+        byte (GPT-2's alphabet), any other token the bytes of its own decoded text, a special token 0 (as
+        tiktoken's). Checked on a probe text, since a decoder may add or strip spaces between tokens."""
+        special = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
+        byte_level = type(self.tok.decoder).__name__ == "ByteLevel"
+        sizes = [0] * self.vocab_size
+        for token, i in self.tok.get_vocab(with_added_tokens=True).items():
+            if token not in special and i < self.vocab_size:
+                sizes[i] = len(token) if byte_level else len(self.tok.decode([i]).encode("utf-8"))
+        for probe in (*PROBES, self.decode(list(range(min(256, self.vocab_size))))):  # the last: its own tokens
+            try:
+                ids = self.encode(probe)
+            except DataError:  # a character vocabulary without some of the probe's characters
+                continue
+            if sum(sizes[i] for i in ids) == len(probe.encode("utf-8")):
+                return sizes
+            break
+        raise DataError("this tokenizer.json's tokens do not add up to the text's bytes (a decoder that adds or "
+                            "strips spaces), so bits per byte cannot be counted per token; score it with --tasks")
+
+    def meta(self):
+        """Our tokenizer description when this tokenizer.json is one of ours exported (a character
+        vocabulary in id order, or GPT-2's BPE), so a dataset prepared with ours can be scored; else a
+        description that matches no dataset of ours."""
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        chars = sorted(vocab, key=vocab.get)
+        if type(self.tok.model).__name__ == "WordLevel" and all(len(c) == 1 for c in chars):
+            return {"kind": "char", "chars": "".join(chars)}
+        if self.vocab_size == 50257 and vocab.get("<|endoftext|>") == 50256:
+            try:
+                if all(self.encode(t) == TiktokenTokenizer("gpt2").encode(t) for t in PROBES):
+                    return {"kind": "tiktoken", "encoding": "gpt2"}
+            except DataError:  # tiktoken's files unavailable: cannot tell
+                pass
+        return {"kind": "tokenizer.json", "vocab_size": self.vocab_size}
+
+
+PROBES = ("the king spoke, and the queen said: \"no!\"\n", "Hello world, 12 ünïcödé tokens\tand 3.5 spaces  here.\n")
 
 
 def continuation(tokenizer, prompt_ids, ids):

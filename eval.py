@@ -123,9 +123,6 @@ def load_tokens(c, tokenizer, meta):
 def evaluate(c):
     """Loss, perplexity and bits per byte of a whole split or text file."""
     model, tokenizer, state = load_for(c)
-    if not hasattr(tokenizer, "token_bytes"):
-        raise DataError(f"init_from={c.init_from}: its tokenizer.json gives no per-token byte counts, which bits "
-                        "per byte needs; score it with --tasks, or a GPT-2 (tiktoken) or char model")
     if state is None and not (c.text or c.dataset):
         raise ConfigError(f"init_from={c.init_from} has no training dataset to default to: give --text=FILE or --dataset=NAME")
     meta = state["tokenizer"] if state else tokenizer.meta()

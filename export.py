@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from checkpoint import load_any
 from configurator import ConfigError, cli_main, parse_config
+from dataset import tokenizer_from_meta
 from hf import save_tokenizer
 
 
@@ -35,6 +36,7 @@ def main(argv=None):
         model, _, state = load_any(c.out_dir)
         if state is None:
             raise ConfigError(f"out_dir={c.out_dir} is a Hugging Face model already; export takes a training run's out_dir")
+        tokenizer_from_meta(state["tokenizer"])  # a tokenizer that cannot load (tiktoken offline) stops it here, before any file
         model.save_pretrained(c.hf_dir)
         note = save_tokenizer(state["tokenizer"], c.hf_dir, model.config.block_size)
         print(f"wrote {c.hf_dir} ({model.get_num_params():,} parameters); {note}")

@@ -64,8 +64,11 @@ def save_pretrained(model, directory):
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(to_hf_config(model.config), f, indent=2)
-    save_file({k: v.contiguous() for k, v in hf_state.items()}, os.path.join(directory, "model.safetensors"),
-              metadata={"format": "pt"})
+    weights = os.path.join(directory, "model.safetensors")
+    save_file({k: v.contiguous() for k, v in hf_state.items()}, weights, metadata={"format": "pt"})
+    umask = os.umask(0)  # safetensors writes 0600; a model directory is shared like any other file
+    os.umask(umask)
+    os.chmod(weights, 0o666 & ~umask)
 
 
 def pretrained_tokenizer(name_or_dir, model):
@@ -371,9 +374,7 @@ def save_tokenizer(meta, directory, max_length):
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
               "clean_up_tokenization_spaces": False}
     if meta == {"kind": "tiktoken", "encoding": "gpt2"}:
-        import tiktoken
-
-        encoding = tiktoken.get_encoding("gpt2")
+        encoding = TiktokenTokenizer("gpt2").enc
         ranks = {token: encoding.encode_single_token(token) for token in encoding.token_byte_values()}  # bytes -> id
         alphabet = byte_to_unicode()
         text = lambda token: "".join(alphabet[b] for b in token)  # noqa: E731
@@ -390,6 +391,13 @@ def save_tokenizer(meta, directory, max_length):
             f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
         what = "GPT-2's BPE (tokenizer.json, vocab.json, merges.txt)"
     elif meta.get("kind") == "char":
+        # no end-of-text token: config.json's bos/eos (GPT-2's 50256 by default) must not name one
+        with open(os.path.join(directory, "config.json")) as f:
+            model_config = json.load(f)
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(model_config | {"bos_token_id": None, "eos_token_id": None}, f, indent=2)
+        # no unknown token either: the model has no embedding for one. Our loaders say which characters
+        # are unknown (dataset.HFTokenizer); transformers' tokenizer raises "Missing [UNK] token"
         tokenizer = Tokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(meta["chars"])}, unk_token=None))
         tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one char each
         tokenizer.decoder = decoders.Fuse()  # and back without spaces between them

@@ -1,5 +1,6 @@
 """What a new user trips over (issue 15): each as a subprocess, where the exit code and the message matter."""
 
+import json
 import os
 import shutil
 import signal
@@ -190,10 +191,25 @@ def test_export_round_trip_gpt2_bpe(tmp_path):
     out, hf_dir = tmp_path / "run", tmp_path / "hf"
     trained = run_script("train.py", *TINY_RUN, f"--dataset={tmp_path / 'data'}", f"--out_dir={out}", "--max_iters=3")
     assert trained.returncode == 0, trained.stderr
+    # offline without tiktoken's files: one line and nothing written (it was 50 lines and weights alone)
+    offline = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty"), "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
+    refused = run_script("export.py", f"--out_dir={out}", f"--hf_dir={hf_dir}", env=offline)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "TIKTOKEN_CACHE_DIR" in lines[0], refused.stderr[-2000:]
+    assert not hf_dir.exists()
     exported = run_script("export.py", f"--out_dir={out}", f"--hf_dir={hf_dir}")
     assert exported.returncode == 0 and "GPT-2's BPE" in exported.stdout, exported.stderr
     ours = greedy_sample(f"--out_dir={out}")
     assert greedy_sample(f"--init_from={hf_dir}") == ours
+    text = tmp_path / "text.txt"
+    text.write_text(make_text(2_000, seed=3))
+    scored = {}
+    for name, source in (("export", f"--init_from={hf_dir}"), ("run", f"--out_dir={out}")):
+        result = run_script("eval.py", source, f"--text={text}", "--device=cpu", "--dtype=float32", f"--json={tmp_path / name}.json")
+        assert result.returncode == 0, result.stderr
+        scored[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert scored["export"]["bits_per_byte"] == pytest.approx(scored["run"]["bits_per_byte"], rel=1e-5)
+    assert scored["export"]["bytes"] == scored["run"]["bytes"] > 0
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
@@ -204,7 +220,7 @@ def test_export_round_trip_gpt2_bpe(tmp_path):
     assert tokenizer.decode(generated[0]) == ours
 
 
-def test_export_of_a_character_model_has_a_tokenizer_transformers_loads(tmp_path, trained_run):
+def test_export_of_a_character_model_has_a_tokenizer_transformers_loads(tmp_path, trained_run, char_dataset):
     transformers = pytest.importorskip("transformers")
     hf_dir = tmp_path / "hf"
     exported = run_script("export.py", f"--out_dir={trained_run}", f"--hf_dir={hf_dir}")
@@ -218,6 +234,25 @@ def test_export_of_a_character_model_has_a_tokenizer_transformers_loads(tmp_path
     assert tokenizer.encode(text, add_special_tokens=False) == ours.encode(text) != []
     assert tokenizer.decode(ours.encode(text)) == text
     assert greedy_sample(f"--init_from={hf_dir}") == greedy_sample(f"--out_dir={trained_run}")
+    # no end-of-text token in a character vocabulary: none named in config.json (it said GPT-2's 50256)
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["bos_token_id"] is None and config["eos_token_id"] is None
+    assert (hf_dir / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable by others, as config.json
+    # a character outside the vocabulary: one line, as from the checkpoint (it was a tokenizers traceback)
+    for source in (f"--init_from={hf_dir}", f"--out_dir={trained_run}"):
+        refused = run_script("sample.py", source, "--start=The \u00bf", "--num_samples=1", "--max_new_tokens=5", "--device=cpu")
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+            "error: characters not in the vocabulary: '¿'; a character-level model knows only the "
+            f"{ours.vocab_size} characters of its training text"], refused.stderr
+    # bits per byte of the export on the run's own dataset: the checkpoint's figure (it was refused)
+    scored = {}
+    for name, source in (("export", f"--init_from={hf_dir}"), ("run", f"--out_dir={trained_run}")):
+        result = run_script("eval.py", source, f"--dataset={char_dataset}", "--device=cpu", "--dtype=float32",
+                            f"--json={tmp_path / name}.json")
+        assert result.returncode == 0, result.stderr
+        scored[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert scored["export"]["bits_per_byte"] == pytest.approx(scored["run"]["bits_per_byte"], rel=1e-5)
+    assert scored["export"]["bytes"] == scored["run"]["bytes"] > 0
 
 
 def test_plot_draws_one_png_of_several_runs(tmp_path, trained_run):
@@ -242,3 +277,13 @@ def test_plot_without_matplotlib_prints_the_summary(tmp_path, trained_run):
 def test_plot_of_a_directory_without_metrics_is_one_error_line(tmp_path):
     result = run_script("plot.py", str(tmp_path))
     assert result.returncode == 2 and "no metrics.jsonl" in one_error_line(result)
+
+
+def test_out_dir_given_as_the_checkpoint_file_names_the_folder(trained_run, capsys):
+    import sample
+
+    with pytest.raises(SystemExit) as exit:
+        sample.main([f"--out_dir={trained_run}/ckpt.pt", "--device=cpu"])
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.strip() == (f"error: {trained_run}/ckpt.pt is the checkpoint file; out_dir takes its "
+                                               f"folder: --out_dir={trained_run}")
