@@ -805,11 +805,22 @@ class GPT(nn.Module):
     # Hugging Face interop lives in hf.py; these two keep the names nanoGPT and transformers users type.
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
-        """A Hugging Face GPT2LMHeadModel or LlamaForCausalLM: a local directory, or gpt2 / gpt2-medium /
-        gpt2-large / gpt2-xl from the Hub (needs network, or the Hugging Face cache)."""
+        """A training run's folder (its ckpt.pt), or a Hugging Face GPT2LMHeadModel or LlamaForCausalLM: a
+        local directory, or gpt2 / gpt2-medium / gpt2-large / gpt2-xl from the Hub (needs network, or the
+        Hugging Face cache). checkpoint.load_any gives the model's tokenizer too."""
+        import os
+
+        import checkpoint
         import hf
 
-        return hf.load_pretrained(cls, name_or_dir, dropout)
+        if not os.path.exists(os.path.join(name_or_dir, checkpoint.CHECKPOINT)):
+            return hf.load_pretrained(cls, name_or_dir, dropout)
+        model = checkpoint.load_model(name_or_dir)[0]
+        if dropout:
+            tuned = cls(replace(model.config, dropout=dropout))
+            tuned.load_state_dict(model.state_dict())
+            model = tuned
+        return model
 
     def save_pretrained(self, directory):
         """config.json and model.safetensors that transformers' AutoModelForCausalLM loads."""

@@ -36,3 +36,38 @@ def test_requirements_point_to_sections_that_exist():
         for path, heading in re.findall(r"\((?:see )?([\w./]+), \"([^\"]+)\"\)", requirements.read_text()):
             text = (ROOT / (path if path.endswith(".md") else f"{path}.md")).read_text()
             assert f"# {heading}\n" in text, f"{requirements.name} names {path}, \"{heading}\": no such section"
+
+
+def test_the_readmes_python_snippet_runs_verbatim(tmp_path):
+    """README's "From Python" block, exactly as printed, against a run folder of the Quick start's name
+    (a few steps on text that has the prompt's characters)."""
+    import os
+    import subprocess
+    import sys
+
+    import train
+    from conftest import TINY_RUN, make_text
+    from dataset import char_tokenizer_for, prepare_text
+
+    text = make_text(20_000) + "\nROMEO:\n"
+    prepare_text(text, char_tokenizer_for(text), str(tmp_path / "data"))
+    train.main([*TINY_RUN, f"--dataset={tmp_path / 'data'}", f"--out_dir={tmp_path / 'out-shakespeare-char-cpu'}", "--max_iters=5"])
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## From Python") :]
+    start = section.index("```python\n") + len("```python\n")
+    snippet = section[start : section.index("\n```", start)]
+    assert "load_any" in snippet
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("ROMEO:") and len(done.stdout) > len("ROMEO:") + 50, done.stdout
+    # GPT.from_pretrained takes the run's folder too (it raised FileNotFoundError for config.json)
+    import torch
+
+    from checkpoint import load_model
+    from model import GPT
+
+    run = str(tmp_path / "out-shakespeare-char-cpu")
+    loaded, saved = GPT.from_pretrained(run), load_model(run)[0]
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), saved.state_dict().values()))
+    assert GPT.from_pretrained(run, dropout=0.1).config.dropout == 0.1
