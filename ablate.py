@@ -3,7 +3,12 @@ Runs an ablation study: every variant x seed of a study file, through the same c
 then a results table and loss curves.
 
   python ablate.py config/ablations/positions.py [--out_dir=DIR] [--wandb_log=True]
+  python ablate.py config/ablations/positions.py --max_iters=100 --seeds=1    a quick, smaller form
   python ablate.py --help
+
+Any train.py key on the command line (--max_iters=100, --n_layer=2, --dataset=...) overrides it in every
+variant, and --seeds=K keeps the study's first K seeds; such a run goes to its own out_dir
+(out-ablations/positions-max_iters100-seeds1), so it never mixes with the full study's runs.
 
 A study file is a Python file that assigns:
   base     = {...}   training and model keys shared by every variant (the budget: max_iters, or tokens)
@@ -21,17 +26,19 @@ A study file is a Python file that assigns:
                          rows of a variant's models run with other RoPE scaling, without training
 Every variant's keys are checked before anything trains. A finished run is not run again; an interrupted
 one resumes. Results: out_dir/results.md, out_dir/loss_curves.png and out_dir/lengths.png (matplotlib).
+Runs go to out_dir/<variant>/seed<N>, the variant's name lowercased with other characters as "-".
 """
 
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
 from dataclasses import dataclass, fields, replace
 
 from checkpoint import CHECKPOINT, METRICS, ContextKeys, load_checkpoint, read_metrics, tokens_per_step
-from configurator import ConfigError, UserError, checked, cli_main, parse_config, parse_dict, read_config_file
+from configurator import ConfigError, UserError, checked, cli_main, keys_of, parse, parse_config, parse_dict, read_config_file
 from model import GPT, GPTConfig, model_config
 from plot import line_style, pyplot, save
 import train
@@ -39,7 +46,8 @@ import train
 
 @dataclass
 class AblateConfig:
-    out_dir: str = ""  # where runs and results go; default: out-ablations/<study file name>
+    out_dir: str = ""  # where runs and results go; default: out-ablations/<study file name>[-<the overrides>]
+    seeds: int = 0  # run the study's first K seeds only; 0 = all of them
     wandb_log: bool = False  # log every run to Weights & Biases (one group per study)
     wandb_project: str = "smallgpt-ablations"
 
@@ -49,8 +57,21 @@ STUDY_KEYS = ("base", "variants", "seeds", "tokens", "targets", "title", "notes"
 EVAL_AS_KEYS = [f.name for f in fields(ContextKeys) if f.name != "block_size"]  # eval_lengths sets block_size
 
 
-def load_study(path):
-    """(runs, study) where runs is [(variant, seed, config, explicit)], every one checked."""
+def slug(name):
+    """A variant's folder name: 'none (NoPE)' -> 'none-nope', '+ RoPE' -> 'rope'."""
+    return re.sub(r"[^a-z0-9._]+", "-", name.lower()).strip("-") or "variant"
+
+
+def run_dir(root, variant, seed):
+    path = os.path.join(root, slug(variant), f"seed{seed}")
+    legacy = os.path.join(root, variant, f"seed{seed}")  # runs made before folder names were plain
+    return legacy if not os.path.exists(path) and os.path.exists(legacy) else path
+
+
+def load_study(path, overrides=None, n_seeds=0):
+    """(runs, study) where runs is [(variant, seed, config, explicit)], every one checked. overrides:
+    train keys set on top of every variant; n_seeds: the first n_seeds seeds only (0: all)."""
+    overrides = overrides or {}
     study = read_config_file(path)
     unknown = set(study) - set(STUDY_KEYS)
     if unknown:
@@ -58,15 +79,23 @@ def load_study(path):
     if not isinstance(study.get("variants"), dict) or not study["variants"]:
         raise ConfigError(f"{path}: variants must be a non-empty dict of name -> keys")
     seeds = study.get("seeds", [1337])
+    if n_seeds > len(seeds):
+        raise ConfigError(f"seeds={n_seeds}: {path} has {len(seeds)} seed(s); give at most that many")
+    seeds = seeds[: n_seeds or None]
+    folders = {}
+    for name in study["variants"]:
+        if slug(name) in folders:
+            raise ConfigError(f"{path}: variants {folders[slug(name)]!r} and {name!r} would share the folder {slug(name)!r}; rename one")
+        folders[slug(name)] = name
     keys = train.config_keys()
     runs = []
-    for name, overrides in study["variants"].items():
+    for name, variant_keys in study["variants"].items():
         try:  # unknown keys and wrong types, with the closest names
-            values, explicit = parse_dict(keys, {**study.get("base", {}), **overrides}, f"variant {name!r}")
+            values, explicit = parse_dict(keys, {**study.get("base", {}), **variant_keys, **overrides}, f"variant {name!r}")
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
         c = train.TrainConfig(**values)
-        if "tokens" in study:
+        if "tokens" in study and "max_iters" not in overrides:
             c = replace(c, max_iters=max(1, study["tokens"] // tokens_per_step(c)))
         try:
             train.check_config(train.fit_defaults(c, explicit, []))  # as train.py will run it
@@ -82,7 +111,15 @@ def load_study(path):
     for row, (variant, keys) in study.get("eval_as", {}).items():
         if variant not in names or set(keys) - set(EVAL_AS_KEYS):
             raise ConfigError(f"{path}: eval_as {row!r}: a variant and keys among {', '.join(EVAL_AS_KEYS)}")
-    return runs, study
+    return runs, {**study, "seeds": seeds}
+
+
+def finished(c, out_dir):
+    """Whether a run of c ended before (a checkpoint at max_iters, or diverged)."""
+    ckpt_path = os.path.join(out_dir, CHECKPOINT)
+    if os.path.exists(os.path.join(out_dir, "diverged")):
+        return True
+    return os.path.exists(ckpt_path) and load_checkpoint(ckpt_path, mmap=True)["iter_num"] >= c.max_iters
 
 
 def run_one(c, explicit, out_dir, wandb, parent=None):
@@ -117,7 +154,7 @@ def summarize(runs, root):
     """Per variant: parameters, final and best val loss (mean, std over seeds), tokens/s, diverged."""
     rows = {}
     for name, seed, c, _ in runs:
-        out_dir = os.path.join(root, name, f"seed{seed}")
+        out_dir = run_dir(root, name, seed)
         records = read_metrics(out_dir)
         evals = [r for r in records if "val_loss" in r]
         steps = [r for r in records if "tokens_per_sec" in r]
@@ -171,13 +208,13 @@ def length_rows(runs, root, study):
     lengths = study.get("eval_lengths") or []
     rows = {}
     for name, seed, _, _ in runs:
-        run_dir = os.path.join(root, name, f"seed{seed}")
-        if os.path.exists(os.path.join(run_dir, "diverged")):
+        folder = run_dir(root, name, seed)
+        if os.path.exists(os.path.join(folder, "diverged")):
             continue
         targets = [(name, None)] + [(row, keys) for row, (variant, keys) in study.get("eval_as", {}).items()
                                     if variant == name]
         for row, keys in targets:
-            for length, bpb in length_scores(run_dir, lengths, keys).items():
+            for length, bpb in length_scores(folder, lengths, keys).items():
                 scores = rows.setdefault(row, {}).setdefault(length, [])
                 if bpb is not None:
                     scores.append(bpb)
@@ -224,9 +261,9 @@ def mean_std(values):
     return f"{statistics.mean(values):.4f} ± {statistics.stdev(values):.4f}"
 
 
-def write_results(rows, root, study, path, n_seeds, lengths=None):
-    lines = [f"# {study.get('title', os.path.basename(path))}", "",
-             f"`python ablate.py {path}`: {n_seeds} seed(s) per variant; val loss as mean ± std over seeds.", "",
+def write_results(rows, root, study, command, n_seeds, lengths=None):
+    lines = [f"# {study['title']}", "",
+             f"`{command}`: {n_seeds} seed(s) per variant; val loss as mean ± std over seeds.", "",
              "| variant | parameters | final val loss | best val loss | final val bits per byte | tokens/s | diverged |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, row in rows.items():
@@ -287,31 +324,46 @@ def main(argv=None):
 def run_study(argv):
     files = [a for a in argv if not a.startswith("-")]
     options = [a for a in argv if a.startswith("-")]
-    c, _ = parse_config(AblateConfig, options, "python ablate.py STUDY_FILE [--key=value ...]",
-                        __doc__.strip().splitlines()[0])
+    own_keys = {k.name for k in keys_of(AblateConfig)}
+    own = [a for a in options if a in ("-h", "--help") or a[2:].partition("=")[0] in own_keys]
+    c, _ = parse_config(AblateConfig, own, "python ablate.py STUDY_FILE [--key=value ...] [--TRAIN_KEY=value ...]",
+                        " ".join(__doc__.strip().split("\n\n")[0].split()) + " Any train.py key on the command line "
+                        "(--max_iters=100, python train.py --help lists them) overrides every variant.")
+    values, explicit = parse(train.config_keys(), [a for a in options if a not in own])  # types, closest names
+    overrides = {k: values[k] for k in explicit}
+    if c.seeds < 0:
+        raise ConfigError(f"seeds={c.seeds} must be >= 0 (0 = all of the study's seeds)")
     if len(files) != 1:
         raise ConfigError("give exactly one study file, e.g. python ablate.py config/ablations/positions.py")
     path = files[0]
-    runs, study = load_study(path)
+    runs, study = load_study(path, overrides, c.seeds)
     name = os.path.splitext(os.path.basename(path))[0]
-    root = c.out_dir or os.path.join("out-ablations", name)
+    shrunk = [f"--{k}={v}" for k, v in overrides.items()] + ([f"--seeds={c.seeds}"] if c.seeds else [])
+    suffix = "".join("-" + re.sub(r"[^A-Za-z0-9_.]+", "", arg) for arg in shrunk)
+    root = c.out_dir or os.path.join("out-ablations", name + suffix)
+    study["title"] = study.get("title", name) + (f" [shrunk: {' '.join(shrunk)}; figures not the study's]" if shrunk else "")
     for i, (variant, seed, values, explicit) in enumerate(runs):
+        where = f"[{i + 1}/{len(runs)}] {variant} seed {seed}"
+        folder = run_dir(root, variant, seed)
+        if finished(values, folder):
+            print(f"{where}: finished earlier ({folder})", flush=True)
+            continue
         wandb = {"wandb_log": True, "wandb_project": c.wandb_project,
-                 "wandb_run_name": f"{name}/{variant}/seed{seed}"} if c.wandb_log else {}
-        print(f"[{i + 1}/{len(runs)}] {variant} seed {seed}", flush=True)
+                 "wandb_run_name": f"{name + suffix}/{slug(variant)}/seed{seed}"} if c.wandb_log else {}
+        print(where, flush=True)
         parent = study.get("continue_from", {}).get(variant)
         try:
-            status = run_one(values, explicit, os.path.join(root, variant, f"seed{seed}"), wandb,
-                             parent and os.path.join(root, parent, f"seed{seed}"))
+            status = run_one(values, explicit, folder, wandb, parent and run_dir(root, parent, seed))
         except UserError as e:
             raise ConfigError(f"variant {variant!r} seed {seed}: {e}") from None
-        print(f"[{i + 1}/{len(runs)}] {variant} seed {seed}: {status}", flush=True)
+        print(f"{where}: {status}", flush=True)
     rows = summarize(runs, root)
     lengths = length_rows(runs, root, study) if study.get("eval_lengths") else None
-    print(write_results(rows, root, study, path, len(study.get("seeds", [1337])), lengths))
-    plot(rows, root, study.get("title", name))
+    command = " ".join(["python ablate.py", path, *shrunk])
+    print(write_results(rows, root, study, command, len(study["seeds"]), lengths))
+    plot(rows, root, study["title"])
     if lengths:
-        plot_lengths(lengths, root, study.get("title", name))
+        plot_lengths(lengths, root, study["title"])
 
 
 if __name__ == "__main__":

@@ -38,9 +38,28 @@ def test_runs_every_variant_and_seed_then_tables(tmp_path, char_dataset, capsys)
     b = read_metrics(tmp_path / "out" / "rope" / "seed2")[-1]["val_loss"]
     assert a != b
     capsys.readouterr()
-    ablate.main([study, f"--out_dir={tmp_path / 'out'}"])  # again: nothing is retrained
+    ablate.main([study, f"--out_dir={tmp_path / 'out'}"])  # again: nothing is retrained, and it says so per run
     out = capsys.readouterr().out
-    assert out.count(": done") == 4 and "eval 0" not in out and "iter 0" not in out
+    assert out.count(": finished earlier") == 4 and "eval 0" not in out and "iter 0" not in out
+    assert "] learned seed 1\n" not in out  # no line announcing a run that does not happen
+
+
+def test_a_study_shrinks_from_the_command_line_into_its_own_folder(tmp_path, char_dataset, capsys, monkeypatch):
+    study = write_study(tmp_path, char_dataset, STUDY.replace('"rope": dict', '"+ RoPE (norm)": dict'))
+    monkeypatch.chdir(tmp_path)
+    ablate.main([study, "--max_iters=3", "--seeds=1"])
+    root = tmp_path / "out-ablations" / "study-max_iters3-seeds1"  # not the full study's folder
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["learned", "rope-norm"]  # plain folder names
+    assert [p.name for p in (root / "learned").iterdir()] == ["seed1"]
+    assert [r["iter"] for r in read_metrics(root / "rope-norm" / "seed1") if "val_loss" in r] == [0, 3]
+    table = (root / "results.md").read_text()
+    assert table.startswith("# tiny [shrunk: --max_iters=3 --seeds=1; figures not the study's]")
+    assert "`python ablate.py " in table and "--max_iters=3 --seeds=1`: 1 seed(s)" in table
+    capsys.readouterr()
+    for args, message in [(["--max_iter=3"], "max_iters"), (["--seeds=3"], "has 2 seed(s)"), (["--seeds=-1"], "must be >= 0")]:
+        with pytest.raises(SystemExit) as exit:
+            ablate.main([study, *args])
+        assert exit.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_typo_fails_before_any_training(tmp_path, char_dataset, capsys):
@@ -110,7 +129,7 @@ def test_length_study_fine_tunes_from_a_variant_and_scores_every_context(tmp_pat
     ablate.main([write_study(tmp_path, char_dataset, LENGTH_STUDY), f"--out_dir={out}"])
     from checkpoint import load_checkpoint
 
-    tuned = load_checkpoint(str(out / "rope32, fine-tuned" / "seed1337" / "ckpt.pt"))
+    tuned = load_checkpoint(str(out / "rope32-fine-tuned" / "seed1337" / "ckpt.pt"))
     assert tuned["iter_num"] == 6 and tuned["model_config"]["block_size"] == 32
     assert (tuned["model_config"]["trained_block_size"], tuned["model_config"]["rope_scaling"]) == (16, "linear")
     parent = load_checkpoint(str(out / "rope16" / "seed1337" / "ckpt.pt"))
