@@ -248,6 +248,12 @@ def build_model(c, explicit, data_meta, ckpt, notes):
     if overridden:
         raise ConfigError(f"init_from={c.init_from}: the pretrained model fixes {', '.join(overridden)}; "
                           "drop those keys (only dropout can change)")
+    run_ckpt = os.path.join(c.init_from, CHECKPOINT)  # another run's folder: its weights, a fine-tune's start
+    if os.path.exists(run_ckpt):
+        if load_checkpoint(run_ckpt, mmap=True)["tokenizer"] != tokenizer:
+            raise DataError(f"init_from={c.init_from} was trained with another tokenizer than dataset {c.dataset!r}'s; "
+                            "fine-tune it on a dataset prepared with its tokenizer")
+        return GPT.from_pretrained(c.init_from, dropout=c.dropout)
     model = GPT.from_pretrained(c.init_from, dropout=c.dropout)
     if uses_gpt2_tokenizer(model.config) and tokenizer != {"kind": "tiktoken", "encoding": "gpt2"}:
         raise DataError(f"GPT-2 weights need a dataset tokenized with tiktoken gpt2; {c.dataset!r} uses {tokenizer}")
@@ -261,15 +267,14 @@ def main(argv=None):
 def command(argv):
     c, explicit = parse_config(TrainConfig, argv, "python train.py [config_file ...] [--key=value ...]",
                                __doc__.strip().splitlines()[0], config_keys())
+    StopRequest.quiet_exit_to = c.out_dir  # a script: once stopping, a second signal ends the process at once
     try:
         result = train(c, explicit)
     except (NonFinite, OSError) as e:  # not bad input: a diverged run, a full disk
         print(f"error: {e.strerror if isinstance(e, OSError) and e.strerror else e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # the second Ctrl-C: out at once, without a traceback
-        print(f"error: interrupted again; stopped at once: {os.path.join(c.out_dir, CHECKPOINT)} holds the "
-              "last saved state (continue with --init_from=resume)", file=sys.stderr)
-        sys.exit(128 + signal.SIGINT)
+        StopRequest.exit_now(signal.SIGINT, None)
     except RuntimeError as e:
         if not UNFREED_RUNS or not lost_a_process(e):
             raise
@@ -286,6 +291,11 @@ def command(argv):
     if code:
         sys.exit(code)
     return result
+
+
+def interrupted_again(out_dir):
+    return (f"error: interrupted again; stopped at once: {os.path.join(out_dir, CHECKPOINT)} holds the last saved "
+            "state (continue with --init_from=resume)")
 
 
 def lost_a_process(error):
@@ -565,9 +575,27 @@ class StopRequest:
         self.signum = signum
         self.logger.print(f"{signal.Signals(signum).name}: stopping after this step or evaluation batch (again to abort at once)")
 
+    # set by train.py's command(): after a stop request a second signal, even during the exit (logs closing,
+    # threads joined, atexit callbacks, where Python can only print "Exception ignored in ..."), ends the
+    # process with the documented line. None (a run inside another program): the old handlers come back.
+    quiet_exit_to = None
+
     def close(self):
+        if self.signum is not None and StopRequest.quiet_exit_to is not None:
+            for s in self.SIGNALS:
+                signal.signal(s, StopRequest.exit_now)
+            return
         for s, handler in self.previous.items():
             signal.signal(s, handler)
+
+    @staticmethod
+    def exit_now(signum, frame):
+        try:
+            sys.stdout.flush()
+        except (OSError, ValueError, RuntimeError):  # a closed pipe, or a write this signal interrupted
+            pass
+        print(interrupted_again(StopRequest.quiet_exit_to), file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGINT)
 
 
 def check_finite(first_bad, ckpt_path):
