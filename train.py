@@ -274,7 +274,7 @@ def command(argv):
         print(f"error: {e.strerror if isinstance(e, OSError) and e.strerror else e}", file=sys.stderr)
         sys.exit(1)
     except KeyboardInterrupt:  # the second Ctrl-C: out at once, without a traceback
-        StopRequest.exit_now(signal.SIGINT, None)
+        exit_now(c.out_dir)
     except RuntimeError as e:
         if not UNFREED_RUNS or not lost_a_process(e):
             raise
@@ -283,6 +283,8 @@ def command(argv):
               f"{os.path.join(c.out_dir, CHECKPOINT)} holds the last saved state: restart with --init_from=auto "
               "(torchrun --max-restarts=N does so by itself)", file=sys.stderr, flush=True)
         os._exit(1)  # not sys.exit: tearing the process group down would wait on the lost process
+    finally:
+        StopRequest.quiet_exit_to = None  # a handler it installed keeps its out_dir
     code = 0 if result["signal"] is None else 128 + result["signal"]  # the shell's convention for "ended by this signal"
     if UNFREED_RUNS:  # under torchrun: end here, before the interpreter frees DDP's reducer (see train())
         sys.stdout.flush()
@@ -575,27 +577,30 @@ class StopRequest:
         self.signum = signum
         self.logger.print(f"{signal.Signals(signum).name}: stopping after this step or evaluation batch (again to abort at once)")
 
-    # set by train.py's command(): after a stop request a second signal, even during the exit (logs closing,
-    # threads joined, atexit callbacks, where Python can only print "Exception ignored in ..."), ends the
-    # process with the documented line. None (a run inside another program): the old handlers come back.
+    # set by train.py's command() while it runs: after a stop request a second signal, even during the exit
+    # (logs closing, threads joined, atexit callbacks, where Python can only print "Exception ignored in
+    # ..."), ends the process with the documented line. None (a run inside another program): the old
+    # handlers come back.
     quiet_exit_to = None
 
     def close(self):
         if self.signum is not None and StopRequest.quiet_exit_to is not None:
+            out_dir = StopRequest.quiet_exit_to
             for s in self.SIGNALS:
-                signal.signal(s, StopRequest.exit_now)
+                signal.signal(s, lambda signum, frame: exit_now(out_dir))
             return
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
-    @staticmethod
-    def exit_now(signum, frame):
-        try:
-            sys.stdout.flush()
-        except (OSError, ValueError, RuntimeError):  # a closed pipe, or a write this signal interrupted
-            pass
-        print(interrupted_again(StopRequest.quiet_exit_to), file=sys.stderr, flush=True)
-        os._exit(128 + signal.SIGINT)
+
+def exit_now(out_dir):
+    """The second Ctrl-C's way out: the documented line, and no interpreter teardown to interrupt."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError, RuntimeError):  # a closed pipe, or a write this signal interrupted
+        pass
+    print(interrupted_again(out_dir), file=sys.stderr, flush=True)
+    os._exit(128 + signal.SIGINT)
 
 
 def check_finite(first_bad, ckpt_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import train
-from conftest import SHARED_DATA, TINY_RUN, make_text, run_script
+from conftest import SHARED_DATA, TINY_RUN, make_text, run_main, run_script
 from dataset import (
     HEADER,
     BatchSampler,
@@ -170,7 +170,7 @@ def test_gpt2_weights_need_gpt2_tokens(tmp_path, char_dataset, capsys):
 @needs_corpus
 def test_shakespeare_gpt2_counts(tmp_path):
     gpt2_tokenizer()
-    result = run_script("data/shakespeare/prepare.py", f"--input={SHARED_DATA / 'tinyshakespeare' / 'input.txt'}",
+    result = run_main("data/shakespeare/prepare.py", f"--input={SHARED_DATA / 'tinyshakespeare' / 'input.txt'}",
                         f"--out_dir={tmp_path}")
     assert result.returncode == 0, result.stderr
     assert "train has 301,966 tokens, val has 36,059 tokens" in result.stdout
@@ -182,7 +182,7 @@ def test_shakespeare_gpt2_counts(tmp_path):
 @pytest.mark.slow
 def test_war_and_peace_counts_and_training(tmp_path):
     tok = gpt2_tokenizer()
-    result = run_script("data/prepare.py", str(SHARED_DATA / "warpeace" / "input.txt"), "--tokenizer=gpt2",
+    result = run_main("data/prepare.py", str(SHARED_DATA / "warpeace" / "input.txt"), "--tokenizer=gpt2",
                         f"--out={tmp_path / 'warpeace'}")
     assert result.returncode == 0, result.stderr
     assert "train has 715,543 tokens, val has 75,027 tokens" in result.stdout
@@ -199,7 +199,7 @@ def test_prepare_tool_on_a_folder(tmp_path):
     (tmp_path / "src" / "sub").mkdir(parents=True)
     (tmp_path / "src" / "a.txt").write_text(make_text(3000, seed=1))
     (tmp_path / "src" / "sub" / "b.md").write_text(make_text(3000, seed=2))
-    result = run_script("data/prepare.py", str(tmp_path / "src"), f"--out={tmp_path / 'mine'}", "--val_fraction=0.2")
+    result = run_main("data/prepare.py", str(tmp_path / "src"), f"--out={tmp_path / 'mine'}", "--val_fraction=0.2")
     assert result.returncode == 0, result.stderr
     meta = read_meta(str(tmp_path / "mine"))
     joined = make_text(3000, seed=1) + "\n" + make_text(3000, seed=2)
@@ -207,7 +207,7 @@ def test_prepare_tool_on_a_folder(tmp_path):
     assert meta["tokens"] == {"train": 4800, "val": 1201}
     train_tokens = TokenFile(str(tmp_path / "mine" / "train.bin")).tokens.tolist()
     assert tok.decode(train_tokens) == joined[:4800]
-    missing = run_script("data/prepare.py", str(tmp_path / "nothing*.txt"), f"--out={tmp_path / 'x'}")
+    missing = run_main("data/prepare.py", str(tmp_path / "nothing*.txt"), f"--out={tmp_path / 'x'}")
     assert missing.returncode != 0 and "no such file, folder or matching files" in missing.stderr
 
 
@@ -239,7 +239,7 @@ def write_corpus(tmp_path, kind, docs):
 
 
 def run_shards(out, files, *extra):
-    return run_script("data/fineweb/prepare.py", "--data_files", *files, f"--out_dir={out}", "--shard_size=4000",
+    return run_main("data/fineweb/prepare.py", "--data_files", *files, f"--out_dir={out}", "--shard_size=4000",
                       "--val_docs=10", "--num_proc=1", f"--cache_dir={out}.cache", *extra)
 
 

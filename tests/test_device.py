@@ -6,7 +6,7 @@ import torch
 
 import device
 from configurator import ConfigError
-from conftest import TINY_RUN, run_script
+from conftest import TINY_RUN, run_main
 from optim import Muon, newton_schulz
 
 AMX = {"name": "Xeon", "capability": "AVX512", "onednn_bf16": True, "bf16_instructions": ["amx_bf16"], "threads": 2}
@@ -64,9 +64,14 @@ def test_this_machine_gets_a_consistent_decision():
     assert chosen.why.startswith("CPU ") and facts["capability"] in chosen.why
 
 
-def test_train_says_what_it_chose_first(tmp_path, char_dataset):
-    result = run_script("train.py", *TINY_RUN[:-2], "--optimizer=muon", "--max_iters=2", f"--dataset={char_dataset}",
-                        f"--out_dir={tmp_path}", "--device=cpu", env={device.OVERRIDE: "0"})
+def test_train_says_what_it_chose_first(tmp_path, char_dataset, monkeypatch):
+    monkeypatch.setenv(device.OVERRIDE, "0")
+    device.precision.cache_clear()  # decided once per process: again with the override, and again after
+    try:
+        result = run_main("train.py", *TINY_RUN[:-2], "--optimizer=muon", "--max_iters=2", f"--dataset={char_dataset}",
+                          f"--out_dir={tmp_path}", "--device=cpu")
+    finally:
+        device.precision.cache_clear()
     assert result.returncode == 0, result.stderr
     first = result.stdout.splitlines()[0]
     assert first.startswith("precision: float32 (chosen), Muon's Newton-Schulz in float32 | CPU SMALLGPT_BF16=0")

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import eval as evaluation
 from checkpoint import load_checkpoint, load_model, save_checkpoint
-from conftest import run_script
+from conftest import run_main, run_script
 
 TEXT = "The king speak thou noble heart.\nThe queen hath love, the lord doth war.\n" * 6
 
@@ -90,7 +90,7 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, trained_run, char_da
         (["--dataset=/no/such/data"], "dataset '/no/such/data' not found"),
     ]
     for args, message in cases:
-        result = run_script("eval.py", f"--out_dir={trained_run}", f"--json={out}", "--device=cpu", *args)
+        result = run_main("eval.py", f"--out_dir={trained_run}", f"--json={out}", "--device=cpu", *args)
         assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
         assert not out.exists()
 
@@ -101,13 +101,13 @@ def test_another_tokenizers_dataset_is_refused(tmp_path, trained_run):
 
     text = make_text(5000, seed=9).upper()
     prepare_text(text, char_tokenizer_for(text), str(tmp_path / "upper"))
-    result = run_script("eval.py", f"--out_dir={trained_run}", f"--dataset={tmp_path / 'upper'}", "--device=cpu")
+    result = run_main("eval.py", f"--out_dir={trained_run}", f"--dataset={tmp_path / 'upper'}", "--device=cpu")
     assert result.returncode == 2 and "but the checkpoint was trained with" in result.stderr
 
 
 def test_the_checkpoints_own_dataset_by_default_and_json(tmp_path, trained_run):
     out = tmp_path / "r.json"
-    result = run_script("eval.py", f"--out_dir={trained_run}", f"--json={out}", "--device=cpu")
+    result = run_main("eval.py", f"--out_dir={trained_run}", f"--json={out}", "--device=cpu")
     assert result.returncode == 0, result.stderr
     saved = json.loads(out.read_text())
     assert saved["source"].endswith("/val") and saved["tokens"] > 1000 and 0 < saved["bits_per_byte"] < 8

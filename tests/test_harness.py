@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conftest import TINY_RUN, WORDS, make_text, run_script
+from conftest import TINY_RUN, WORDS, make_text, run_main
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is an optional extra (requirements-eval.txt)")
 pytest.importorskip("transformers")
@@ -76,10 +76,10 @@ def manager(task_folder):
 
 def trained_and_exported(tmp_path, bpe_dataset, arch):
     out, hf_dir = tmp_path / "run", tmp_path / "hf"
-    trained = run_script("train.py", *TINY_RUN, *ARCHITECTURES[arch], f"--dataset={bpe_dataset}", f"--out_dir={out}",
+    trained = run_main("train.py", *TINY_RUN, *ARCHITECTURES[arch], f"--dataset={bpe_dataset}", f"--out_dir={out}",
                          "--max_iters=120", "--eval_interval=120", "--learning_rate=2e-2", "--batch_size=8")
     assert trained.returncode == 0, trained.stderr
-    exported = run_script("export.py", f"--out_dir={out}", f"--hf_dir={hf_dir}")
+    exported = run_main("export.py", f"--out_dir={out}", f"--hf_dir={hf_dir}")
     assert exported.returncode == 0, exported.stderr
     return out, hf_dir
 
@@ -139,8 +139,8 @@ def test_eval_py_runs_local_tasks_on_a_character_model(tmp_path, trained_run, ta
     """The command line end to end, on a char model (no end-of-text token: the newline is the prefix)."""
     folder, _ = task_folder
     out = tmp_path / "tasks.json"
-    result = run_script("eval.py", f"--out_dir={trained_run}", "--tasks=tiny_mc,tiny_rolling,tiny_gen",
-                        f"--include_path={folder}", "--limit=6", "--device=cpu", f"--json={out}", timeout=300)
+    result = run_main("eval.py", f"--out_dir={trained_run}", "--tasks=tiny_mc,tiny_rolling,tiny_gen",
+                      f"--include_path={folder}", "--limit=6", "--device=cpu", f"--json={out}")
     assert result.returncode == 0, result.stderr
     assert "tiny_mc" in result.stdout and "acc" in result.stdout and "bits_per_byte" in result.stdout
     saved = json.loads(out.read_text())
@@ -156,8 +156,8 @@ def test_a_task_that_cannot_run_is_one_line_and_writes_nothing(tmp_path, trained
 
     out = tmp_path / "tasks.json"
     started = time.perf_counter()
-    result = run_script("eval.py", f"--out_dir={trained_run}", f"--tasks={tasks}", f"--include_path={task_folder[0]}",
-                        "--device=cpu", f"--json={out}", timeout=300)
+    result = run_main("eval.py", f"--out_dir={trained_run}", f"--tasks={tasks}", f"--include_path={task_folder[0]}",
+                      "--device=cpu", f"--json={out}")
     assert result.returncode == 2, result.stderr
     error = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(error) == 1 and message in error[0] and "--include_path" in error[0], result.stderr

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from conftest import TINY_RUN, run_script
+from conftest import TINY_RUN, run_main
 from model import GPT, GPTConfig, Sampling
 from positions import t5_bucket
 
@@ -106,18 +106,18 @@ def test_eval_and_resume_at_a_longer_context(tmp_path, char_dataset):
     run = str(tmp_path / "alibi")
     train.main([*TINY_RUN, "--block_size=16", "--pos_emb=alibi", f"--dataset={char_dataset}", f"--out_dir={run}",
                 "--max_iters=4", "--eval_interval=4"])
-    result = run_script("eval.py", f"--out_dir={run}", "--block_size=64", "--device=cpu")
+    result = run_main("eval.py", f"--out_dir={run}", "--block_size=64", "--device=cpu")
     assert result.returncode == 0 and "bits per byte" in result.stdout, result.stderr
-    result = run_script("sample.py", f"--out_dir={run}", "--block_size=64", "--max_new_tokens=60", "--num_samples=1",
+    result = run_main("sample.py", f"--out_dir={run}", "--block_size=64", "--max_new_tokens=60", "--num_samples=1",
                         "--start=The ", "--device=cpu", "--temperature=0")
     assert result.returncode == 0 and len(result.stdout) > 60, result.stderr  # 64 tokens of context, one cache
     learned = str(tmp_path / "learned")
     train.main([*TINY_RUN, "--block_size=16", f"--dataset={char_dataset}", f"--out_dir={learned}", "--max_iters=2",
                 "--eval_interval=2"])
-    result = run_script("eval.py", f"--out_dir={learned}", "--block_size=64", "--device=cpu")
+    result = run_main("eval.py", f"--out_dir={learned}", "--block_size=64", "--device=cpu")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
     assert "pos_emb='learned' has a trained vector for each of 16 positions" in result.stderr
-    result = run_script("train.py", f"--out_dir={run}", "--init_from=resume", "--block_size=48", "--max_iters=6",
+    result = run_main("train.py", f"--out_dir={run}", "--init_from=resume", "--block_size=48", "--max_iters=6",
                         f"--dataset={char_dataset}")
     assert result.returncode == 0, result.stderr
     assert "note: resuming at block_size=48 (the checkpoint had block_size=16)" in result.stdout
@@ -125,6 +125,6 @@ def test_eval_and_resume_at_a_longer_context(tmp_path, char_dataset):
 
     config = load_checkpoint(f"{run}/ckpt.pt")["model_config"]
     assert (config["block_size"], config["trained_block_size"]) == (48, 16)
-    result = run_script("train.py", f"--out_dir={learned}", "--init_from=resume", "--block_size=48", "--max_iters=4",
+    result = run_main("train.py", f"--out_dir={learned}", "--init_from=resume", "--block_size=48", "--max_iters=4",
                         f"--dataset={char_dataset}")
     assert result.returncode == 2 and "learned positions their length" in result.stderr

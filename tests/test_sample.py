@@ -2,7 +2,7 @@ import pytest
 
 import sample
 from checkpoint import load_any
-from conftest import run_script
+from conftest import run_main
 
 
 def sample_config(**overrides):
@@ -54,7 +54,7 @@ def test_stream_prints_the_same_text(loaded):
 
 
 def test_cli_prints_prompt_and_samples(trained_run):
-    result = run_script("sample.py", f"--out_dir={trained_run}", "--start=The king", "--num_samples=2",
+    result = run_main("sample.py", f"--out_dir={trained_run}", "--start=The king", "--num_samples=2",
                         "--max_new_tokens=20", "--device=cpu")
     assert result.returncode == 0, result.stderr
     samples = result.stdout.split("---------------\n")
@@ -63,7 +63,7 @@ def test_cli_prints_prompt_and_samples(trained_run):
 
 
 def test_int8_weights_sample(trained_run):
-    result = run_script("sample.py", f"--out_dir={trained_run}", "--start=The king", "--num_samples=2",
+    result = run_main("sample.py", f"--out_dir={trained_run}", "--start=The king", "--num_samples=2",
                         "--max_new_tokens=20", "--device=cpu", "--weights_dtype=int8")
     assert result.returncode == 0, result.stderr
     assert [s.startswith("The king") for s in result.stdout.split("---------------\n")] == [True, True, False]
@@ -71,7 +71,7 @@ def test_int8_weights_sample(trained_run):
 
 def test_file_prompt(trained_run, tmp_path, loaded):
     (tmp_path / "prompt.txt").write_text("The queen\n")
-    result = run_script("sample.py", f"--out_dir={trained_run}", f"--start=FILE:{tmp_path / 'prompt.txt'}",
+    result = run_main("sample.py", f"--out_dir={trained_run}", f"--start=FILE:{tmp_path / 'prompt.txt'}",
                         "--num_samples=1", "--max_new_tokens=15", "--seed=9", "--device=cpu")
     assert result.returncode == 0, result.stderr
     assert result.stdout == "The queen\n" + texts(loaded, "The queen\n", seed=9, max_new_tokens=15)[0] + "\n---------------\n"

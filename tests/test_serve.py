@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from conftest import ROOT, TINY_RUN, run_script
+from conftest import ROOT, TINY_RUN, run_main
 
 pytest.importorskip("fastapi", reason="serve.py needs FastAPI and uvicorn (requirements-serve.txt)")
 uvicorn = pytest.importorskip("uvicorn", reason="serve.py needs FastAPI and uvicorn (requirements-serve.txt)")
@@ -256,9 +256,9 @@ def test_serve_py_serves_the_page_and_the_api(served_run):
 
 
 def test_bad_serve_keys_get_one_line():
-    result = run_script("serve.py", "--out_dir=nowhere-at-all", "--port=1")
+    result = run_main("serve.py", "--out_dir=nowhere-at-all", "--port=1")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
-    result = run_script("serve.py", "--max_batch=0")
+    result = run_main("serve.py", "--max_batch=0")
     assert result.returncode == 2 and "max_batch=0 must be >= 1" in result.stderr
 
 
@@ -313,7 +313,7 @@ def test_lm_eval_local_completions_equals_eval_py(tmp_path, served_run, server):
         "doc_to_text: \"{{context}}\"\ndoc_to_choice: \"{{choices}}\"\ndoc_to_target: \"{{label}}\"\n"
         "metric_list:\n  - metric: acc\n")
     manager = TaskManager(include_path=str(tmp_path))
-    exported = run_script("export.py", f"--out_dir={served_run}", f"--hf_dir={tmp_path / 'hf'}")
+    exported = run_main("export.py", f"--out_dir={served_run}", f"--hf_dir={tmp_path / 'hf'}")
     assert exported.returncode == 0, exported.stderr
 
     theirs = simple_evaluate(model="local-completions", tasks=["served_mc"], task_manager=manager, log_samples=True,

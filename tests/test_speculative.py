@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import speculative
-from conftest import ROOT, TINY_RUN, run_script
+from conftest import ROOT, TINY_RUN, run_main
 from model import GPT, GPTConfig, Sampling
 from speculative import ModelDraft, NgramDraft
 
@@ -236,7 +236,7 @@ def test_a_certain_proposal_keeps_the_targets_distribution():
 
 
 def greedy(*args):
-    result = run_script("sample.py", *args, "--start=The ", "--num_samples=2", "--temperature=0", "--max_new_tokens=50",
+    result = run_main("sample.py", *args, "--start=The ", "--num_samples=2", "--temperature=0", "--max_new_tokens=50",
                         "--device=cpu")
     assert result.returncode == 0, result.stderr
     return result
@@ -247,7 +247,7 @@ def test_sample_py_speculates_to_the_same_text(trained_run, draft_run):
     for draft in ("ngram", draft_run):
         result = greedy(f"--out_dir={trained_run}", f"--draft={draft}", "--num_draft=3")
         assert result.stdout == plain_text and "speculative decoding:" in result.stderr
-    streamed = run_script("sample.py", f"--out_dir={trained_run}", f"--draft={draft_run}", "--start=The ", "--stream=True",
+    streamed = run_main("sample.py", f"--out_dir={trained_run}", f"--draft={draft_run}", "--start=The ", "--stream=True",
                           "--num_samples=1", "--temperature=0", "--max_new_tokens=50", "--device=cpu")
     assert streamed.returncode == 0 and streamed.stdout.strip() == plain_text.split("\n---------------\n")[0].strip()
 
@@ -263,9 +263,9 @@ def test_sample_py_refuses_a_draft_with_another_tokenizer(tmp_path, trained_run)
     cases = [([f"--draft={tmp_path / 'other'}"], f"draft={tmp_path / 'other'}: its tokenizer ("),
              (["--draft=ngram", "--num_draft=0"], "num_draft=0 must be >= 1")]
     for args, message in cases:
-        result = run_script("sample.py", f"--out_dir={trained_run}", *args, "--device=cpu")
+        result = run_main("sample.py", f"--out_dir={trained_run}", *args, "--device=cpu")
         assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
-    assert "characters) is not the target's (" in run_script("sample.py", f"--out_dir={trained_run}", *cases[0][0]).stderr
+    assert "characters) is not the target's (" in run_main("sample.py", f"--out_dir={trained_run}", *cases[0][0]).stderr
 
 
 @pytest.mark.slow

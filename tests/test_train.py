@@ -11,7 +11,7 @@ import torch
 import optim
 import train
 from checkpoint import load_checkpoint
-from conftest import ROOT, TINY_RUN, read_metrics, run_script
+from conftest import ROOT, TINY_RUN, read_metrics, run_main, run_script
 
 
 def run(out_dir, dataset, *extra):
@@ -273,7 +273,7 @@ def test_sigusr1_saves_and_init_from_auto_resumes_bit_exact(tmp_path, char_datas
     assert any("init_from=auto: no checkpoint in" in line for line in lines)
     assert "SIGUSR1: stopping after this step" in out and "continue with --init_from=resume (or auto)" in out
     saved = load_checkpoint(str(tmp_path / "job" / "ckpt.pt"))["iter_num"]
-    again = run_script("train.py", *args, f"--max_iters={saved + 4}")
+    again = run_main("train.py", *args, f"--max_iters={saved + 4}")
     assert again.returncode == 0 and "init_from=auto: resuming" in again.stdout, again.stderr
     run(tmp_path / "straight", char_dataset, f"--max_iters={saved + 4}", *schedule)
     assert losses(tmp_path / "job") == losses(tmp_path / "straight")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, TINY_RUN, run_script
+from conftest import ROOT, TINY_RUN, run_main, run_script
 
 
 def one_error_line(result):
@@ -33,7 +33,7 @@ def test_an_unprepared_dataset_names_its_own_prepare_script(tmp_path):
 
 def test_backslash_escapes_in_stop_and_start(trained_run):
     """--stop='\\n' as a shell passes it (a backslash and an n) means a newline, as in --help."""
-    result = run_script("sample.py", f"--out_dir={trained_run}", "--start=The\\nking", "--stop=\\n", "--num_samples=1",
+    result = run_main("sample.py", f"--out_dir={trained_run}", "--start=The\\nking", "--stop=\\n", "--num_samples=1",
                         "--temperature=0", "--max_new_tokens=200", "--device=cpu")
     assert result.returncode == 0, result.stderr
     sample = result.stdout.split("\n---------------\n")[0]
@@ -44,7 +44,7 @@ def test_backslash_escapes_in_stop_and_start(trained_run):
 def test_stream_prints_the_prompt_as_batch_mode_does(trained_run):
     args = [f"--out_dir={trained_run}", "--start=The king", "--num_samples=1", "--seed=3", "--max_new_tokens=30",
             "--device=cpu"]
-    batch, stream = run_script("sample.py", *args), run_script("sample.py", *args, "--stream=True")
+    batch, stream = run_main("sample.py", *args), run_main("sample.py", *args, "--stream=True")
     assert batch.returncode == 0 and stream.returncode == 0, batch.stderr + stream.stderr
     assert stream.stdout.startswith("The king")
     assert stream.stdout == batch.stdout.replace("---------------\n", "")
@@ -69,7 +69,7 @@ def test_wandb_not_logged_in_is_one_line_and_releases_the_lock(tmp_path, char_da
     assert result.returncode == 2
     line = one_error_line(result)
     assert "wandb could not start" in line and "wandb login" in line and "WANDB_MODE=offline" in line
-    again = run_script("train.py", *args)
+    again = run_main("train.py", *args)
     assert again.returncode == 0, again.stderr
     assert "took over the lock" not in again.stdout  # the failed run released it
 
@@ -182,7 +182,7 @@ def test_hub_prepare_without_network_fails_at_once_naming_data_files(tmp_path):
 
 
 def greedy_sample(*args):
-    result = run_script("sample.py", *args, "--start=The king", "--num_samples=1", "--temperature=0",
+    result = run_main("sample.py", *args, "--start=The king", "--num_samples=1", "--temperature=0",
                         "--max_new_tokens=20", "--device=cpu")
     assert result.returncode == 0, result.stderr
     return result.stdout.split("\n---------------\n")[0]
@@ -199,7 +199,7 @@ def test_export_round_trip_gpt2_bpe(tmp_path):
 
     prepare_text(make_text(20_000), TiktokenTokenizer("gpt2"), str(tmp_path / "data"))
     out, hf_dir = tmp_path / "run", tmp_path / "hf"
-    trained = run_script("train.py", *TINY_RUN, f"--dataset={tmp_path / 'data'}", f"--out_dir={out}", "--max_iters=3")
+    trained = run_main("train.py", *TINY_RUN, f"--dataset={tmp_path / 'data'}", f"--out_dir={out}", "--max_iters=3")
     assert trained.returncode == 0, trained.stderr
     # offline without tiktoken's files: one line and nothing written (it was 50 lines and weights alone)
     offline = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty"), "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
@@ -207,7 +207,7 @@ def test_export_round_trip_gpt2_bpe(tmp_path):
     lines = refused.stderr.strip().splitlines()
     assert refused.returncode == 2 and len(lines) == 1 and "TIKTOKEN_CACHE_DIR" in lines[0], refused.stderr[-2000:]
     assert not hf_dir.exists()
-    exported = run_script("export.py", f"--out_dir={out}", f"--hf_dir={hf_dir}")
+    exported = run_main("export.py", f"--out_dir={out}", f"--hf_dir={hf_dir}")
     assert exported.returncode == 0 and "GPT-2's BPE" in exported.stdout, exported.stderr
     ours = greedy_sample(f"--out_dir={out}")
     assert greedy_sample(f"--init_from={hf_dir}") == ours
@@ -215,7 +215,7 @@ def test_export_round_trip_gpt2_bpe(tmp_path):
     text.write_text(make_text(2_000, seed=3))
     scored = {}
     for name, source in (("export", f"--init_from={hf_dir}"), ("run", f"--out_dir={out}")):
-        result = run_script("eval.py", source, f"--text={text}", "--device=cpu", "--dtype=float32", f"--json={tmp_path / name}.json")
+        result = run_main("eval.py", source, f"--text={text}", "--device=cpu", "--dtype=float32", f"--json={tmp_path / name}.json")
         assert result.returncode == 0, result.stderr
         scored[name] = json.loads((tmp_path / f"{name}.json").read_text())
     assert scored["export"]["bits_per_byte"] == pytest.approx(scored["run"]["bits_per_byte"], rel=1e-5)
@@ -233,7 +233,7 @@ def test_export_round_trip_gpt2_bpe(tmp_path):
 def test_export_of_a_character_model_has_a_tokenizer_transformers_loads(tmp_path, trained_run, char_dataset):
     transformers = pytest.importorskip("transformers")
     hf_dir = tmp_path / "hf"
-    exported = run_script("export.py", f"--out_dir={trained_run}", f"--hf_dir={hf_dir}")
+    exported = run_main("export.py", f"--out_dir={trained_run}", f"--hf_dir={hf_dir}")
     assert exported.returncode == 0 and "character vocabulary" in exported.stdout, exported.stderr
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     from checkpoint import load_model
@@ -250,14 +250,14 @@ def test_export_of_a_character_model_has_a_tokenizer_transformers_loads(tmp_path
     assert (hf_dir / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable by others, as config.json
     # a character outside the vocabulary: one line, as from the checkpoint (it was a tokenizers traceback)
     for source in (f"--init_from={hf_dir}", f"--out_dir={trained_run}"):
-        refused = run_script("sample.py", source, "--start=The \u00bf", "--num_samples=1", "--max_new_tokens=5", "--device=cpu")
+        refused = run_main("sample.py", source, "--start=The \u00bf", "--num_samples=1", "--max_new_tokens=5", "--device=cpu")
         assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
             "error: characters not in the vocabulary: '¿'; a character-level model knows only the "
             f"{ours.vocab_size} characters of its training text"], refused.stderr
     # bits per byte of the export on the run's own dataset: the checkpoint's figure (it was refused)
     scored = {}
     for name, source in (("export", f"--init_from={hf_dir}"), ("run", f"--out_dir={trained_run}")):
-        result = run_script("eval.py", source, f"--dataset={char_dataset}", "--device=cpu", "--dtype=float32",
+        result = run_main("eval.py", source, f"--dataset={char_dataset}", "--device=cpu", "--dtype=float32",
                             f"--json={tmp_path / name}.json")
         assert result.returncode == 0, result.stderr
         scored[name] = json.loads((tmp_path / f"{name}.json").read_text())
@@ -268,7 +268,7 @@ def test_export_of_a_character_model_has_a_tokenizer_transformers_loads(tmp_path
 def test_plot_draws_one_png_of_several_runs(tmp_path, trained_run):
     pytest.importorskip("matplotlib")
     out = tmp_path / "runs.png"
-    result = run_script("plot.py", trained_run, trained_run, f"--out={out}")
+    result = run_main("plot.py", trained_run, trained_run, f"--out={out}")
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
     assert result.stdout.count("best val") == 2 and f"wrote {out}" in result.stdout
@@ -285,7 +285,7 @@ def test_plot_without_matplotlib_prints_the_summary(tmp_path, trained_run):
 
 
 def test_plot_of_a_directory_without_metrics_is_one_error_line(tmp_path):
-    result = run_script("plot.py", str(tmp_path))
+    result = run_main("plot.py", str(tmp_path))
     assert result.returncode == 2 and "no metrics.jsonl" in one_error_line(result)
 
 
