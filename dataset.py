@@ -209,8 +209,9 @@ class TiktokenTokenizer:
 
         try:
             self.enc = tiktoken.get_encoding(encoding)
-        except ValueError as e:
-            raise DataError(f"unknown tiktoken encoding {encoding!r}: {e}") from None
+        except ValueError:
+            raise DataError(f"unknown tiktoken encoding {encoding!r}; use one of "
+                            f"{', '.join(sorted(tiktoken.list_encoding_names()))} (or char)") from None
         except Exception as e:  # its files are neither cached nor downloadable
             raise DataError(f"cannot load tiktoken encoding {encoding!r} ({type(e).__name__}): without network, set "
                             "TIKTOKEN_CACHE_DIR to a folder holding its files (docs/guide.md: Offline use)") from None

@@ -20,17 +20,39 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 from dataset import DataError, TiktokenTokenizer, char_tokenizer_for, fetch_text, prepare_text, summary  # noqa: E402
 
 
+def looks_like_text(path, probe=1 << 16):
+    """Whether a file's first 64 KB decode as UTF-8 without NUL bytes (a .pyc, an image or a zip do not)."""
+    import codecs
+
+    with open(path, "rb") as f:
+        head = f.read(probe)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a character cut at the end is fine
+    except UnicodeDecodeError:
+        return False
+    return b"\0" not in head
+
+
 def input_files(inputs):
-    files = []
+    """(files, skipped): the files named, globbed or found in folders, sorted. In a folder, hidden entries
+    and __pycache__ are passed over and files that are not UTF-8 text are skipped (counted); a file named
+    or globbed must be text, and says so otherwise."""
+    files, skipped = [], []
     for item in inputs:
         if os.path.isdir(item):
-            found = [os.path.join(d, f) for d, _, names in os.walk(item) for f in names if not f.startswith(".")]
+            found = []
+            for d, dirs, names in os.walk(item):
+                dirs[:] = [x for x in dirs if not x.startswith(".") and x != "__pycache__"]
+                for name in names:
+                    path = os.path.join(d, name)
+                    if not name.startswith("."):
+                        (found if looks_like_text(path) else skipped).append(path)
         else:
             found = glob.glob(item, recursive=True) or ([item] if os.path.exists(item) else [])
         if not found:
-            raise DataError(f"{item}: no such file, folder or matching files")
+            raise DataError(f"{item}: no such file, folder or matching files" + (" (only files that are not UTF-8 text)" if skipped else ""))
         files += found
-    return sorted(set(files))
+    return sorted(set(files)), sorted(set(skipped))
 
 
 def main():
@@ -42,7 +64,9 @@ def main():
     args = parser.parse_args()
     out_dir = args.out if os.sep in args.out else os.path.join(HERE, args.out)
     try:
-        files = input_files(args.inputs)
+        files, skipped = input_files(args.inputs)
+        if skipped:
+            print(f"skipped {len(skipped)} file(s) that are not UTF-8 text, e.g. {skipped[0]}")
         text = "\n".join(fetch_text(f, None, None) for f in files)
         tokenizer = char_tokenizer_for(text) if args.tokenizer == "char" else TiktokenTokenizer(args.tokenizer)
         counts = prepare_text(text, tokenizer, out_dir, args.val_fraction)

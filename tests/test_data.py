@@ -199,8 +199,12 @@ def test_prepare_tool_on_a_folder(tmp_path):
     (tmp_path / "src" / "sub").mkdir(parents=True)
     (tmp_path / "src" / "a.txt").write_text(make_text(3000, seed=1))
     (tmp_path / "src" / "sub" / "b.md").write_text(make_text(3000, seed=2))
+    (tmp_path / "src" / "__pycache__").mkdir()  # passed over, as hidden entries are
+    (tmp_path / "src" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\xa7\r\r\n\0\0\0\0binary")
+    (tmp_path / "src" / "sub" / "logo.png").write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")  # not text: skipped, counted
     result = run_main("data/prepare.py", str(tmp_path / "src"), f"--out={tmp_path / 'mine'}", "--val_fraction=0.2")
     assert result.returncode == 0, result.stderr
+    assert f"skipped 1 file(s) that are not UTF-8 text, e.g. {tmp_path / 'src' / 'sub' / 'logo.png'}" in result.stdout
     meta = read_meta(str(tmp_path / "mine"))
     joined = make_text(3000, seed=1) + "\n" + make_text(3000, seed=2)
     tok = CharTokenizer(meta["tokenizer"]["chars"])
@@ -209,6 +213,10 @@ def test_prepare_tool_on_a_folder(tmp_path):
     assert tok.decode(train_tokens) == joined[:4800]
     missing = run_main("data/prepare.py", str(tmp_path / "nothing*.txt"), f"--out={tmp_path / 'x'}")
     assert missing.returncode != 0 and "no such file, folder or matching files" in missing.stderr
+    unknown = run_main("data/prepare.py", str(tmp_path / "src" / "a.txt"), "--tokenizer=gpt3", f"--out={tmp_path / 'y'}")
+    lines = unknown.stderr.strip().splitlines()  # one line with the valid names (it was tiktoken's plugin text)
+    assert unknown.returncode != 0 and len(lines) == 1, unknown.stderr
+    assert lines[0].startswith("error: unknown tiktoken encoding 'gpt3'; use one of ") and ", gpt2, " in lines[0]
 
 
 # ---------------------------------------------------------------------------------------------------

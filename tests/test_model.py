@@ -348,6 +348,8 @@ def test_gelu_tanh_is_the_same_function_compiled_or_not():
 def test_row_linear_computes_what_linear_does(bias, dtype, product):
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 40, bias=bias).to(dtype)
+    if quantize.time_row_products([(linear.weight.detach(), linear.bias)], rounds=1)[product] == 0.0:
+        pytest.skip(f"{product} cannot run {dtype} on this CPU (oneDNN has no bf16 inner product without AVX512-BF16)")
     row = quantize.row_linear(linear, product)
     exact = lambda x: F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.02, rtol=0.02)
