@@ -44,9 +44,9 @@ def test_train_figures_are_consistent(tmp_path):
 def test_matmul_peak_counts_two_flops_per_multiply_add(monkeypatch):
     monkeypatch.setattr(bench, "seconds", lambda fn, device: 0.5)  # slower than the budget: stays at n=256
     assert bench.matmul_peak(torch.float32, "cpu") == 2 * 256**3 / 0.5
+    assert bench.copy_bandwidth("cpu", n_bytes=1 << 20) == 2 * (1 << 20) / 0.5
     monkeypatch.setattr(bench, "seconds", lambda fn, device: 0.01)  # fast: n doubles up to max_n
     assert bench.matmul_peak(torch.float32, "cpu", max_n=512) == 2 * 512**3 / 0.01
-    assert bench.copy_bandwidth("cpu", n_bytes=1 << 20) == 2 * (1 << 20) / 0.5
 
 
 def positions_of_two_calls(timer, model, monkeypatch):
