@@ -120,5 +120,5 @@ def test_a_silent_worker_ends_the_job_after_dist_timeout(tmp_path, char_dataset)
     seconds, code, output = kill_one_worker_at(tmp_path, char_dataset, 25, sig=signal.SIGSTOP, stopped_until=silent,
                                                extra=["--dist_timeout=3"])
     assert silent in output and "Timed out" in output and "restart with --init_from=auto" in output, output[-3000:]
-    assert 3 <= seconds < 60 and code != 0
+    assert seconds < 60 and code != 0  # "Timed out" above: the timeout ended it (its wait may start before the stop)
     assert load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] == 20
