@@ -36,11 +36,13 @@ class Key:
     default: object
     help: str
     choices: Optional[tuple] = None
+    shown: Optional[str] = None  # --help's default column, where the default is decided at run time
 
 
-def keys_of(cls, choices=None, defaults=None, helps=None, base=None):
+def keys_of(cls, choices=None, defaults=None, helps=None, base=None, shown=None):
     """Keys from a dataclass: types from its annotations, help from the comment after each field. A class
-    that extends base (model.ModelKeys) lists its own keys first, then base's."""
+    that extends base (model.ModelKeys) lists its own keys first, then base's. shown: --help's default
+    column for keys whose real default is decided at run time."""
     hints = typing.get_type_hints(cls)
     comments = {}
     for klass in reversed(cls.__mro__[:-1]):
@@ -53,7 +55,7 @@ def keys_of(cls, choices=None, defaults=None, helps=None, base=None):
         base, optional = unwrap_optional(hints[f.name])
         default = defaults.get(f.name, f.default if f.default is not MISSING else None)
         keys.append(Key(f.name, base, optional, default, helps.get(f.name, comments.get(f.name, "")),
-                        choices.get(f.name)))
+                        choices.get(f.name), (shown or {}).get(f.name)))
     return keys
 
 
@@ -181,7 +183,8 @@ def help_text(keys, usage, about):
     width = max(len(k.name) for k in keys)
     for k in keys:
         kind = "|".join(map(str, k.choices)) if k.choices else type_name(k)
-        lines.append(f"  --{k.name:<{width}} = {k.default!r:<14} ({kind})  {k.help}".rstrip())
+        default = k.shown or repr(k.default)
+        lines.append(f"  --{k.name:<{width}} = {default:<14} ({kind})  {k.help}".rstrip())
     return "\n".join(lines)
 
 

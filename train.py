@@ -78,7 +78,8 @@ VOCAB_HELP = "vocabulary size; default: the dataset's (pad it, e.g. to 50304, fo
 
 
 def config_keys():
-    return keys_of(TrainConfig, TRAIN_CHOICES, helps={"vocab_size": VOCAB_HELP}, base=ModelKeys)
+    return keys_of(TrainConfig, TRAIN_CHOICES, helps={"vocab_size": VOCAB_HELP}, base=ModelKeys,
+                   shown={"vocab_size": "dataset's"})
 
 
 def check_config(c):

@@ -81,6 +81,7 @@ def test_help_lists_every_key_with_default_and_type():
         assert f"--{key} " in result.stdout
     assert "--learning_rate               = 0.0006         (float)" in result.stdout
     assert "(auto|cpu|cuda|mps)" in result.stdout
+    assert "--vocab_size                  = dataset's      (int)  vocabulary size; default: the dataset's" in result.stdout
 
 
 def test_config_file_then_overrides_in_order(tmp_path):
