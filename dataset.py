@@ -293,7 +293,8 @@ class HFTokenizer:
             return {"kind": "char", "chars": "".join(chars)}
         if self.vocab_size == 50257 and vocab.get("<|endoftext|>") == 50256:
             try:
-                if all(self.encode(t) == TiktokenTokenizer("gpt2").encode(t) for t in PROBES):
+                gpt2 = TiktokenTokenizer("gpt2")
+                if all(self.encode(t) == gpt2.encode(t) for t in PROBES):
                     return {"kind": "tiktoken", "encoding": "gpt2"}
             except DataError:  # tiktoken's files unavailable: cannot tell
                 pass

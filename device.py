@@ -71,7 +71,7 @@ def keep_freed_memory():
     their pages back in, zeroed by the kernel: a CPU step of a GPT-2-vocabulary model spent more time
     in the kernel than in torch (docs/research_log.md, 2026-12-01). True when set; False off glibc (macOS,
     Windows, musl) or with SMALLGPT_MALLOC=0 (the process's memory then shrinks back after a peak)."""
-    if os.environ.get(MALLOC_OVERRIDE) == "0" or platform.system() != "Linux" or not platform.libc_ver()[0] == "glibc":
+    if os.environ.get(MALLOC_OVERRIDE) == "0" or platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     import ctypes
 

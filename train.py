@@ -268,9 +268,8 @@ def main(argv=None):
 def command(argv):
     c, explicit = parse_config(TrainConfig, argv, "python train.py [config_file ...] [--key=value ...]",
                                __doc__.strip().splitlines()[0], config_keys())
-    StopRequest.quiet_exit_to = c.out_dir  # a script: once stopping, a second signal ends the process at once
     try:
-        result = train(c, explicit)
+        result = train(c, explicit, script=True)
     except (NonFinite, OSError) as e:  # not bad input: a diverged run, a full disk
         print(f"error: {e.strerror if isinstance(e, OSError) and e.strerror else e}", file=sys.stderr)
         sys.exit(1)
@@ -284,8 +283,6 @@ def command(argv):
               f"{os.path.join(c.out_dir, CHECKPOINT)} holds the last saved state: restart with --init_from=auto "
               "(torchrun --max-restarts=N does so by itself)", file=sys.stderr, flush=True)
         os._exit(1)  # not sys.exit: tearing the process group down would wait on the lost process
-    finally:
-        StopRequest.quiet_exit_to = None  # a handler it installed keeps its out_dir
     code = 0 if result["signal"] is None else 128 + result["signal"]  # the shell's convention for "ended by this signal"
     if UNFREED_RUNS:  # under torchrun: end here, before the interpreter frees DDP's reducer (see train())
         sys.stdout.flush()
@@ -568,8 +565,12 @@ class StopRequest:
 
     SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
-    def __init__(self, logger):
-        self.logger, self.signum = logger, None
+    def __init__(self, logger, exit_out_dir=None):
+        """exit_out_dir: set by train.py's own command line. After a stop request, a second signal even
+        during the exit (logs closing, threads joined, atexit callbacks, where Python can only print
+        "Exception ignored in ...") then ends the process with the documented line; None (a run inside
+        another program): the old handlers come back on close()."""
+        self.logger, self.exit_out_dir, self.signum = logger, exit_out_dir, None
         self.previous = {s: signal.signal(s, self.on_signal) for s in self.SIGNALS}
 
     def on_signal(self, signum, frame):
@@ -578,17 +579,10 @@ class StopRequest:
         self.signum = signum
         self.logger.print(f"{signal.Signals(signum).name}: stopping after this step or evaluation batch (again to abort at once)")
 
-    # set by train.py's command() while it runs: after a stop request a second signal, even during the exit
-    # (logs closing, threads joined, atexit callbacks, where Python can only print "Exception ignored in
-    # ..."), ends the process with the documented line. None (a run inside another program): the old
-    # handlers come back.
-    quiet_exit_to = None
-
     def close(self):
-        if self.signum is not None and StopRequest.quiet_exit_to is not None:
-            out_dir = StopRequest.quiet_exit_to
+        if self.signum is not None and self.exit_out_dir is not None:
             for s in self.SIGNALS:
-                signal.signal(s, lambda signum, frame: exit_now(out_dir))
+                signal.signal(s, lambda signum, frame: exit_now(self.exit_out_dir))
             return
         for s, handler in self.previous.items():
             signal.signal(s, handler)
@@ -637,8 +631,9 @@ def step_record(run, iter_num, lr, loss_sum, ce_sum, grad_norm, skipped, seconds
 # The recipe
 
 
-def train(c, explicit):
-    """Runs the training c describes (a TrainConfig; explicit: the keys the user set) in this process."""
+def train(c, explicit, script=False):
+    """Runs the training c describes (a TrainConfig; explicit: the keys the user set) in this process.
+    script: called by train.py's command line, which ends the process after it (see StopRequest)."""
     # the config that runs, the pieces, and where a resumed run stands
     state = RunState()
     settled, ckpt, notes = settle_config(c, explicit)
@@ -674,7 +669,7 @@ def train(c, explicit):
                      f"process(es) | {tokens_per_step(c):,} tokens per step | steps {state.iter_num} -> {c.max_iters}")
 
         # the step loop
-        stop = StopRequest(logger)
+        stop = StopRequest(logger, c.out_dir if script else None)
         first_bad = torch.full((), -1, dtype=torch.long, device=run.device)  # first non-finite step, on the device
         run.raw_model.train()
         last_log_time, last_log_iter = time.perf_counter(), state.iter_num
