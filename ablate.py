@@ -3,12 +3,15 @@ Runs an ablation study: every variant x seed of a study file, through the same c
 then a results table and loss curves.
 
   python ablate.py config/ablations/positions.py [--out_dir=DIR] [--wandb_log=True]
-  python ablate.py config/ablations/positions.py --max_iters=100 --seeds=1    a quick, smaller form
+  python ablate.py config/ablations/positions.py --quick=True     its quick form (minutes, to try it out)
+  python ablate.py config/ablations/positions.py --max_iters=100 --seeds=1    any smaller form
   python ablate.py --help
 
 Any train.py key on the command line (--max_iters=100, --n_layer=2, --dataset=...) overrides it in every
 variant, and --seeds=K keeps the study's first K seeds; such a run goes to its own out_dir
-(out-ablations/positions-max_iters100-seeds1), so it never mixes with the full study's runs.
+(out-ablations/positions-max_iters100-seeds1), so it never mixes with the full study's runs. --quick=True
+applies the study's own `quick` keys (out-ablations/positions-quick): a form that runs in about two minutes
+on two CPU cores, to see the study work end to end; its figures are not the study's.
 
 A study file is a Python file that assigns:
   base     = {...}   training and model keys shared by every variant (the budget: max_iters, or tokens)
@@ -24,6 +27,8 @@ A study file is a Python file that assigns:
                          of these contexts (eval.py --block_size), tabulated and plotted as val bits per byte
   eval_as  = {"row": ("variant", {"rope_scaling": "linear", "rope_factor": 4.0})}   (optional) eval_lengths
                          rows of a variant's models run with other RoPE scaling, without training
+  quick    = dict(batch_size=8, seeds=1)   (optional) the keys of --quick=True, on top of every variant's
+                         (seeds: how many of the study's seeds; eval_lengths: the contexts to score)
 Every variant's keys are checked before anything trains. A finished run is not run again; an interrupted
 one resumes. Results: out_dir/results.md, out_dir/loss_curves.png and out_dir/lengths.png (matplotlib).
 Runs go to out_dir/<variant>/seed<N>, the variant's name lowercased with other characters as "-".
@@ -48,12 +53,13 @@ import train
 class AblateConfig:
     out_dir: str = ""  # where runs and results go; default: out-ablations/<study file name>[-<the overrides>]
     seeds: int = 0  # run the study's first K seeds only; 0 = all of them
+    quick: bool = False  # the study's quick form (its `quick` keys): minutes, to try it; figures not the study's
     wandb_log: bool = False  # log every run to Weights & Biases (one group per study)
     wandb_project: str = "smallgpt-ablations"
 
 
 STUDY_KEYS = ("base", "variants", "seeds", "tokens", "targets", "title", "notes", "continue_from", "eval_lengths",
-              "eval_as")
+              "eval_as", "quick")
 EVAL_AS_KEYS = [f.name for f in fields(ContextKeys) if f.name != "block_size"]  # eval_lengths sets block_size
 
 
@@ -68,14 +74,24 @@ def run_dir(root, variant, seed):
     return legacy if not os.path.exists(path) and os.path.exists(legacy) else path
 
 
-def load_study(path, overrides=None, n_seeds=0):
+def load_study(path, overrides=None, n_seeds=0, quick=False):
     """(runs, study) where runs is [(variant, seed, config, explicit)], every one checked. overrides:
-    train keys set on top of every variant; n_seeds: the first n_seeds seeds only (0: all)."""
+    train keys set on top of every variant; n_seeds: the first n_seeds seeds only (0: all); quick: the
+    study's quick keys under the overrides."""
     overrides = overrides or {}
     study = read_config_file(path)
     unknown = set(study) - set(STUDY_KEYS)
     if unknown:
         raise ConfigError(f"{path}: unknown study keys {sorted(unknown)}; a study assigns {', '.join(STUDY_KEYS)}")
+    if quick:
+        if not isinstance(study.get("quick"), dict):
+            raise ConfigError(f"{path} has no quick form (a `quick = dict(...)`); shrink it with keys instead, e.g. "
+                              "--max_iters=100 --seeds=1")
+        keys = dict(study["quick"])
+        n_seeds = n_seeds or keys.pop("seeds", 0)
+        if "eval_lengths" in keys:  # fewer contexts to score (each scores the whole val split)
+            study["eval_lengths"] = keys.pop("eval_lengths")
+        overrides = {**keys, **overrides}
     if not isinstance(study.get("variants"), dict) or not study["variants"]:
         raise ConfigError(f"{path}: variants must be a non-empty dict of name -> keys")
     seeds = study.get("seeds", [1337])
@@ -287,6 +303,25 @@ def write_results(rows, root, study, command, n_seeds, lengths=None):
             logit = mean_std([r["max_attn_logit"] for r in last]) if last else "-"
             log_z = mean_std([r["mean_log_z"] for r in last]) if last else "-"
             lines.append(f"| {name} | {logit} | {log_z} |")
+    if any("induction_score" in r for row in rows.values() for run in row["evals"] for r in run):
+        lines += ["", "Heads (train.py --log_heads, the repeated random-token probe; mean over seeds): the best "
+                  "induction score at the last evaluation and its largest jump between two evaluations, the "
+                  "in-context score (second copy's loss - first's, nats):", "",
+                  "| variant | induction, last | largest rise (at step) | in-context, last | in-context, lowest |",
+                  "| --- | --- | --- | --- | --- |"]
+        for name, row in rows.items():
+            runs_ = [[r for r in run if r.get("induction_score") is not None] for run in row["evals"]]
+            runs_ = [run for run in runs_ if run]
+            if not runs_:
+                lines.append(f"| {name} | - | - | - | - |")
+                continue
+            rises = [max(zip(run[1:], run), key=lambda p: p[0]["induction_score"] - p[1]["induction_score"])
+                     for run in runs_ if len(run) > 1]
+            rise = (f"{statistics.mean(a['induction_score'] - b['induction_score'] for a, b in rises):+.3f} "
+                    f"({', '.join(str(a['iter']) for a, _ in rises)})") if rises else "-"
+            lines.append(f"| {name} | {mean_std([run[-1]['induction_score'] for run in runs_])} | {rise} | "
+                         f"{mean_std([run[-1]['icl_score'] for run in runs_])} | "
+                         f"{mean_std([min(r['icl_score'] for r in run) for run in runs_])} |")
     if lengths:
         lines += write_length_table(lengths, study["eval_lengths"])
     text = "\n".join(lines) + "\n"
@@ -336,10 +371,11 @@ def run_study(argv):
     if len(files) != 1:
         raise ConfigError("give exactly one study file, e.g. python ablate.py config/ablations/positions.py")
     path = files[0]
-    runs, study = load_study(path, overrides, c.seeds)
+    runs, study = load_study(path, overrides, c.seeds, c.quick)
     name = os.path.splitext(os.path.basename(path))[0]
-    shrunk = [f"--{k}={v}" for k, v in overrides.items()] + ([f"--seeds={c.seeds}"] if c.seeds else [])
-    suffix = "".join("-" + re.sub(r"[^A-Za-z0-9_.]+", "", arg) for arg in shrunk)
+    shrunk = (["--quick=True"] if c.quick else []) + [f"--{k}={v}" for k, v in overrides.items()] + (
+        [f"--seeds={c.seeds}"] if c.seeds else [])
+    suffix = "".join("-" + re.sub(r"[^A-Za-z0-9_.]+", "", arg) for arg in shrunk).replace("-quickTrue", "-quick")
     root = c.out_dir or os.path.join("out-ablations", name + suffix)
     study["title"] = study.get("title", name) + (f" [shrunk: {' '.join(shrunk)}; figures not the study's]" if shrunk else "")
     for i, (variant, seed, values, explicit) in enumerate(runs):

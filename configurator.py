@@ -12,6 +12,7 @@ cannot be had) is a UserError; cli_main turns one into a single line on stderr a
 
 import difflib
 import inspect
+import os
 import re
 import sys
 import types
@@ -226,4 +227,11 @@ def cli_main(command, argv=None):
 
 def fail(message):
     print(f"error: {message}", file=sys.stderr)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # under torchrun: its failure summary shows the line
+    if error_file and not os.path.exists(error_file):  # (else only "To enable traceback see: ..." below it)
+        import json
+        import time
+
+        with open(error_file, "w") as f:
+            json.dump({"message": f"error: {message}", "timestamp": int(time.time())}, f)
     sys.exit(2)

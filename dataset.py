@@ -237,15 +237,19 @@ class TiktokenTokenizer:
         return {"kind": "tiktoken", "encoding": self.encoding}
 
 
+def tokenizers_package(what):
+    try:
+        import tokenizers
+    except ImportError:
+        raise DataError(f"{what} needs the tokenizers package: pip install tokenizers") from None
+    return tokenizers
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer.json (Llama-architecture models), through the `tokenizers` package."""
 
     def __init__(self, path, eot_token=None):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise DataError(f"{path} needs the tokenizers package: pip install tokenizers") from None
-        self.tok = Tokenizer.from_file(path)
+        self.tok = tokenizers_package(path).Tokenizer.from_file(path)
         self.vocab_size = self.tok.get_vocab_size()
         self.eot_token = eot_token
 
@@ -291,6 +295,8 @@ class HFTokenizer:
         chars = sorted(vocab, key=vocab.get)
         if type(self.tok.model).__name__ == "WordLevel" and all(len(c) == 1 for c in chars):
             return {"kind": "char", "chars": "".join(chars)}
+        if type(self.tok.model).__name__ == "BPE" and vocab.get(EOT) == 0:  # an export of our own BPE
+            return BPETokenizer(self.tok.to_str()).meta()
         if self.vocab_size == 50257 and vocab.get("<|endoftext|>") == 50256:
             try:
                 gpt2 = TiktokenTokenizer("gpt2")
@@ -299,6 +305,40 @@ class HFTokenizer:
             except DataError:  # tiktoken's files unavailable: cannot tell
                 pass
         return {"kind": "tokenizer.json", "vocab_size": self.vocab_size}
+
+
+EOT = "<|endoftext|>"
+
+
+class BPETokenizer(HFTokenizer):
+    """A byte-level BPE trained on your own text (data/prepare.py --tokenizer=bpe:N), GPT-2's kind:
+    GPT-2's pre-tokenizer, any text encodes (there are no unknown characters), id 0 is <|endoftext|>.
+    Its whole tokenizer.json travels in meta.json and in every checkpoint, so a run needs no other file."""
+
+    def __init__(self, json_text):
+        self.tok = tokenizers_package("a BPE tokenizer").Tokenizer.from_str(json_text)
+        self.json = json_text
+        self.vocab_size = self.tok.get_vocab_size()
+        self.eot_token = self.tok.token_to_id(EOT)
+
+    @classmethod
+    def train(cls, text, vocab_size):
+        """Learns vocab_size - 257 merges over text's bytes (fewer where the text runs out of pairs)."""
+        if vocab_size < 258:
+            raise DataError(f"bpe:{vocab_size}: a byte-level BPE needs at least 258 tokens (256 bytes, "
+                            "<|endoftext|> and one merge); try bpe:4096 or bpe:8192")
+        tk = tokenizers_package("--tokenizer=bpe:N")
+        tok = tk.Tokenizer(tk.models.BPE())
+        tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = tk.decoders.ByteLevel()
+        trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+        # one piece: split into lines, a run of whitespace across a line end would pre-tokenize differently
+        tok.train_from_iterator([text], trainer)
+        return cls(tok.to_str())
+
+    def meta(self):
+        return {"kind": "bpe", "vocab_size": self.vocab_size, "json": self.json}
 
 
 PROBES = ("the king spoke, and the queen said: \"no!\"\n", "Hello world, 12 ünïcödé tokens\tand 3.5 spaces  here.\n")
@@ -312,10 +352,19 @@ def continuation(tokenizer, prompt_ids, ids):
 
 
 def describe_tokenizer(tokenizer):
-    meta = tokenizer.meta() if hasattr(tokenizer, "meta") else {}
+    return describe_meta(tokenizer.meta() if hasattr(tokenizer, "meta") else {"vocab_size": tokenizer.vocab_size})
+
+
+def describe_meta(meta):
+    """A tokenizer's description in a few words (its meta dict can hold a whole tokenizer.json)."""
+    import hashlib
+
     if meta.get("kind") == "char":
-        return f"{tokenizer.vocab_size} characters"
-    return meta.get("encoding") or f"a tokenizer.json of {tokenizer.vocab_size} tokens"
+        chars = meta["chars"]
+        return f"{len(chars)} characters {chars[:40]!r}" + ("..." if len(chars) > 40 else "")
+    if meta.get("kind") == "bpe":
+        return f"a BPE of {meta['vocab_size']} tokens trained here ({hashlib.sha256(meta['json'].encode()).hexdigest()[:8]})"
+    return meta.get("encoding") or f"a tokenizer.json of {meta.get('vocab_size')} tokens"
 
 
 def same_tokenizer(a, b):
@@ -335,11 +384,34 @@ def tokenizer_from_meta(meta):
         return CharTokenizer(meta["chars"])
     if meta.get("kind") == "tiktoken":
         return TiktokenTokenizer(meta["encoding"])
+    if meta.get("kind") == "bpe":
+        return BPETokenizer(meta["json"])
     raise DataError(f"unknown tokenizer {meta!r}")
 
 
 def char_tokenizer_for(text):
     return CharTokenizer("".join(sorted(set(text))))
+
+
+def tokenizer_for(spec, text, val_fraction):
+    """The tokenizer a prepare command asks for: `char` (the characters of all of text), `bpe:N` (a BPE
+    of N tokens learned from the train split only, so val stays unseen) or a tiktoken encoding's name."""
+    if spec == "char":
+        return char_tokenizer_for(text)
+    if spec.startswith("bpe:"):
+        size = spec[4:]
+        if not size.isdigit():
+            raise DataError(f"tokenizer={spec}: give the vocabulary size as a number, e.g. bpe:8192")
+        return BPETokenizer.train(split_text(text, val_fraction)[0], int(size))
+    return TiktokenTokenizer(spec)
+
+
+def split_text(text, val_fraction):
+    """(train, val): the first (1 - val_fraction) of the characters and the rest, as nanoGPT splits."""
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction={val_fraction} must be in (0, 1)")
+    cut = int(len(text) * (1 - val_fraction))
+    return text[:cut], text[cut:]
 
 
 def fetch_text(path, url, cache_path):
@@ -368,18 +440,18 @@ def fetch_text(path, url, cache_path):
 def prepare_text(text, tokenizer, out_dir, val_fraction=0.1):
     """Splits text at the first (1 - val_fraction) of its characters (as nanoGPT does), tokenizes each
     part and writes train.bin, val.bin and meta.json. Returns the token counts."""
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"val_fraction={val_fraction} must be in (0, 1)")
     if not text:
         raise DataError("the input text is empty")
+    parts = split_text(text, val_fraction)
     os.makedirs(out_dir, exist_ok=True)
-    cut = int(len(text) * (1 - val_fraction))
     counts = {}
-    for split, part in (("train", text[:cut]), ("val", text[cut:])):
+    for split, part in zip(("train", "val"), parts):
         ids = tokenizer.encode(part)
         write_tokens(os.path.join(out_dir, f"{split}.bin"), np.array(ids, dtype=np.int64), tokenizer.vocab_size)
         counts[split] = len(ids)
     write_meta(out_dir, tokenizer, counts)
+    if isinstance(tokenizer, BPETokenizer):  # for tools that read tokenizer.json (transformers, tokenizers)
+        atomic_write(os.path.join(out_dir, "tokenizer.json"), lambda f: f.write(tokenizer.json.encode()))
     return counts
 
 
@@ -402,7 +474,8 @@ def prepare_corpus_main(description, url, here, make_tokenizer):
 
 
 def summary(text, tokenizer, counts, out_dir):
-    name = tokenizer.meta().get("encoding", "character")
+    meta = tokenizer.meta()
+    name = {"char": "character", "bpe": "BPE (learned from train)"}.get(meta["kind"]) or meta.get("encoding")
     return (f"{len(text):,} characters, {name} vocabulary of {tokenizer.vocab_size}: train has {counts['train']:,} "
             f"tokens, val has {counts['val']:,} tokens -> {out_dir}")
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from checkpoint import ContextKeys, load_for
 from configurator import ConfigError, cli_main, keys_of, parse_config
-from dataset import DataError, hub_offline, hub_reachable, open_split, read_meta, resolve_dataset, write_json
+from dataset import DataError, describe_meta, hub_offline, hub_reachable, open_split, read_meta, resolve_dataset, write_json
 from device import COMPUTE_DTYPES, DEVICES, autocast, pick_device, pick_dtype
 
 
@@ -114,8 +114,8 @@ def load_tokens(c, tokenizer, meta):
     data_dir = resolve_dataset(c.dataset)
     data_meta = read_meta(data_dir)
     if data_meta["tokenizer"] != meta:
-        raise DataError(f"dataset {c.dataset!r} uses tokenizer {data_meta['tokenizer']}, but the checkpoint was "
-                        f"trained with {meta}; score it on text its tokenizer covers (--text) or its own dataset")
+        raise DataError(f"dataset {c.dataset!r} uses {describe_meta(data_meta['tokenizer'])}, but the model was "
+                        f"trained with {describe_meta(meta)}; score it on text its tokenizer covers (--text) or its own dataset")
     files = open_split(data_dir, c.split, data_meta["vocab_size"])
     return torch.from_numpy(np.concatenate([f.tokens for f in files]).astype(np.int64))
 

@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 
 from configurator import UserError
-from dataset import DataError, HFTokenizer, TiktokenTokenizer
+from dataset import EOT, DataError, HFTokenizer, TiktokenTokenizer, describe_meta
 from model import GPTConfig
 
 
@@ -373,6 +373,7 @@ def save_tokenizer(meta, directory, max_length):
         return "no tokenizer written: it needs the tokenizers package (pip install tokenizers)"
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
               "clean_up_tokenization_spaces": False}
+    eot = 50256
     if meta == {"kind": "tiktoken", "encoding": "gpt2"}:
         encoding = TiktokenTokenizer("gpt2").enc
         ranks = {token: encoding.encode_single_token(token) for token in encoding.token_byte_values()}  # bytes -> id
@@ -390,12 +391,13 @@ def save_tokenizer(meta, directory, max_length):
         with open(os.path.join(directory, "merges.txt"), "w") as f:
             f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
         what = "GPT-2's BPE (tokenizer.json, vocab.json, merges.txt)"
+    elif meta.get("kind") == "bpe":  # our own BPE is a tokenizer.json already
+        tokenizer = Tokenizer.from_str(meta["json"])
+        config.update(bos_token=EOT, eos_token=EOT, unk_token=EOT)
+        eot = tokenizer.token_to_id(EOT)
+        what = f"the BPE of {meta['vocab_size']} tokens learned for its dataset (tokenizer.json)"
     elif meta.get("kind") == "char":
-        # no end-of-text token: config.json's bos/eos (GPT-2's 50256 by default) must not name one
-        with open(os.path.join(directory, "config.json")) as f:
-            model_config = json.load(f)
-        with open(os.path.join(directory, "config.json"), "w") as f:
-            json.dump(model_config | {"bos_token_id": None, "eos_token_id": None}, f, indent=2)
+        eot = None  # no end-of-text token: config.json's bos/eos (GPT-2's 50256 by default) must not name one
         # no unknown token either: the model has no embedding for one. Our loaders say which characters
         # are unknown (dataset.HFTokenizer); transformers' tokenizer raises "Missing [UNK] token"
         tokenizer = Tokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(meta["chars"])}, unk_token=None))
@@ -403,7 +405,12 @@ def save_tokenizer(meta, directory, max_length):
         tokenizer.decoder = decoders.Fuse()  # and back without spaces between them
         what = f"a {len(meta['chars'])}-character vocabulary (tokenizer.json)"
     else:
-        return f"no tokenizer written: {meta} has no Hugging Face equivalent here"
+        return f"no tokenizer written: {describe_meta(meta)} has no Hugging Face equivalent here"
+    with open(os.path.join(directory, "config.json")) as f:
+        model_config = json.load(f)
+    if (model_config.get("bos_token_id"), model_config.get("eos_token_id")) != (eot, eot):
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump(model_config | {"bos_token_id": eot, "eos_token_id": eot}, f, indent=2)
     tokenizer.save(os.path.join(directory, "tokenizer.json"))
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)

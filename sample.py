@@ -44,9 +44,10 @@ class SampleConfig(ContextKeys):
     stop: Optional[str] = None  # end each sample before this string (\n, \t, \\ as in start); <|endoftext|> = the end-of-text token
     draft: str = ""  # speculative decoding: ngram (prompt lookup) | a smaller model's out_dir or Hugging Face name/directory; "" = off
     num_draft: Optional[int] = None  # tokens the draft proposes per step; None = 4 for ngram, 2 for a model
+    crop_prompt: str = "no"  # a prompt longer than block_size: no (refused) | left (keep its last block_size tokens, as nanoGPT)
 
 
-SAMPLE_CHOICES = {"device": DEVICES, "weights_dtype": WEIGHTS_DTYPES, **ContextKeys.CHOICES}
+SAMPLE_CHOICES = {"device": DEVICES, "weights_dtype": WEIGHTS_DTYPES, "crop_prompt": ("no", "left"), **ContextKeys.CHOICES}
 RENAMED = {"dtype": "weights_dtype"}  # the weight format, named as in bench.py (dtype is the compute dtype)
 
 
@@ -70,16 +71,21 @@ def read_prompt(start):
     return unescape(start)
 
 
-def encode_prompt(tokenizer, text, limit):
-    """The prompt's token ids; limit: the model's context_limit (None: a model that runs any length)."""
+def encode_prompt(tokenizer, text, limit, crop="no"):
+    """The prompt's token ids; limit: the model's context_limit (None: a model that runs any length).
+    Longer than limit: refused, or with crop="left" its last limit tokens (what the model can see)."""
     ids = tokenizer.encode(text)
     if not ids:
         if tokenizer.eot_token is None:
             raise ConfigError("the prompt is empty; give some text with --start")
         ids = [tokenizer.eot_token]  # GPT-2's unconditional start
     if limit is not None and len(ids) > limit:
+        if crop == "left":
+            print(f"note: the prompt is {len(ids)} tokens; its first {len(ids) - limit} are dropped (crop_prompt=left)",
+                  file=sys.stderr)
+            return ids[-limit:]
         raise ConfigError(f"the prompt is {len(ids)} tokens, longer than the model's context (block_size="
-                          f"{limit}); shorten it")
+                          f"{limit}); shorten it, or pass --crop_prompt=left to keep its last {limit} tokens")
     return ids
 
 
@@ -122,7 +128,7 @@ def sampling_of(c):
 
 def generate_texts(model, tokenizer, prompt, c, device, draft=None):
     """The generated continuations (prompt excluded), one per sample."""
-    ids = encode_prompt(tokenizer, prompt, model.config.context_limit)
+    ids = encode_prompt(tokenizer, prompt, model.config.context_limit, c.crop_prompt)
     idx = torch.tensor([ids] * c.num_samples, dtype=torch.long, device=device)
     generators = [torch.Generator(device=device).manual_seed(c.seed + i) for i in range(c.num_samples)]
     eos = stop_token(tokenizer, c.stop)
@@ -138,7 +144,7 @@ def stream_text(model, tokenizer, prompt, c, device, write, draft=None):
     """One sample, written as it arrives after the prompt; returns the sample (prompt excluded). Text that
     could be the start of the stop string is held back until it is clear it is not; a token that ends
     inside a multi-byte character waits for the rest."""
-    ids = encode_prompt(tokenizer, prompt, model.config.context_limit)
+    ids = encode_prompt(tokenizer, prompt, model.config.context_limit, c.crop_prompt)
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     generator = [torch.Generator(device=device).manual_seed(c.seed)]
     stop = c.stop

@@ -3,11 +3,14 @@
   python data/prepare.py mybook.txt --out=mybook                       # characters, data/mybook
   python data/prepare.py 'notes/**/*.md' --tokenizer=gpt2 --out=notes  # GPT-2 BPE
   python data/prepare.py corpus/ --tokenizer=cl100k_base --val_fraction=0.05 --out=/data/corpus
+  python data/prepare.py code/ --tokenizer=bpe:8192 --out=code        # a BPE learned from your text
   python train.py --dataset=mybook ...
 
 Files are read as UTF-8 in sorted order and joined with a newline; the first (1 - val_fraction) of the
-characters become train, the rest val. --tokenizer is `char` (a vocabulary of the characters that occur)
-or any tiktoken encoding (gpt2, r50k_base, p50k_base, cl100k_base, o200k_base).
+characters become train, the rest val. --tokenizer is `char` (a vocabulary of the characters that occur),
+`bpe:N` (a byte-level BPE of N tokens learned from the train split only, in seconds, with the `tokenizers`
+package; stored in meta.json and as tokenizer.json) or any tiktoken encoding (gpt2, r50k_base, p50k_base,
+cl100k_base, o200k_base).
 """
 
 import argparse
@@ -17,7 +20,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
-from dataset import DataError, TiktokenTokenizer, char_tokenizer_for, fetch_text, prepare_text, summary  # noqa: E402
+from dataset import DataError, fetch_text, prepare_text, summary, tokenizer_for  # noqa: E402
 
 
 def looks_like_text(path, probe=1 << 16):
@@ -59,7 +62,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+", help="files, folders or globs")
     parser.add_argument("--out", required=True, help="dataset name (written to data/NAME) or a directory path")
-    parser.add_argument("--tokenizer", default="char", help="char, or a tiktoken encoding such as gpt2")
+    parser.add_argument("--tokenizer", default="char", help="char, bpe:N (learn N tokens from your text), or a tiktoken encoding such as gpt2")
     parser.add_argument("--val_fraction", type=float, default=0.1, help="share of the characters kept for val")
     args = parser.parse_args()
     out_dir = args.out if os.sep in args.out else os.path.join(HERE, args.out)
@@ -68,7 +71,7 @@ def main():
         if skipped:
             print(f"skipped {len(skipped)} file(s) that are not UTF-8 text, e.g. {skipped[0]}")
         text = "\n".join(fetch_text(f, None, None) for f in files)
-        tokenizer = char_tokenizer_for(text) if args.tokenizer == "char" else TiktokenTokenizer(args.tokenizer)
+        tokenizer = tokenizer_for(args.tokenizer, text, args.val_fraction)
         counts = prepare_text(text, tokenizer, out_dir, args.val_fraction)
     except DataError as e:
         sys.exit(f"error: {e}")

@@ -90,6 +90,23 @@ def run_main(script, *args):
 
 
 @pytest.fixture(scope="session")
+def bpe_run(tmp_path_factory):
+    """(dataset, out_dir): a BPE of 300 tokens learned by `data/prepare.py --tokenizer=bpe:300` from a text
+    whose val split (its last tenth) holds only words the train split lacks, and a tiny model trained on it."""
+    import train
+
+    root = tmp_path_factory.mktemp("bpe")
+    text = make_text(30_000) + "\n" + "zebra quokka axolotl " * 100  # all in val
+    (root / "text.txt").write_text(text)
+    prepared = run_main("data/prepare.py", str(root / "text.txt"), f"--out={root / 'data'}", "--tokenizer=bpe:400")
+    assert prepared.returncode == 0, prepared.stderr
+    assert "BPE (learned from train) vocabulary of 400" in prepared.stdout
+    train.main([*TINY_RUN, f"--dataset={root / 'data'}", f"--out_dir={root / 'run'}", "--max_iters=20",
+                "--eval_interval=20", "--learning_rate=1e-2"])
+    return str(root / "data"), str(root / "run")
+
+
+@pytest.fixture(scope="session")
 def trained_run(tmp_path_factory, char_dataset):
     """A tiny character model trained for a few steps: its out_dir."""
     import train

@@ -62,6 +62,30 @@ def test_a_study_shrinks_from_the_command_line_into_its_own_folder(tmp_path, cha
         assert exit.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_quick_form_uses_the_studys_quick_keys(tmp_path, char_dataset, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    bare = write_study(tmp_path, char_dataset)
+    with pytest.raises(SystemExit) as exit:
+        ablate.main([bare, "--quick=True"])
+    assert exit.value.code == 2 and "has no quick form" in capsys.readouterr().err
+    study = write_study(tmp_path, char_dataset, STUDY + "quick = dict(max_iters=2, eval_interval=2, seeds=1)\n")
+    ablate.main([study, "--quick=True", "--n_embd=8"])
+    root = tmp_path / "out-ablations" / "study-quick-n_embd8"
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["learned", "rope"]
+    assert [p.name for p in (root / "rope").iterdir()] == ["seed1"]
+    assert [r["iter"] for r in read_metrics(root / "rope" / "seed1") if "val_loss" in r] == [0, 2]
+    assert "--quick=True --n_embd=8`: 1 seed(s)" in (root / "results.md").read_text()
+
+
+@pytest.mark.parametrize("study", ["positions", "modern_recipe", "optimizers", "stability", "length", "induction",
+                                   "context_extension", "windows", "linear", "norm_placement"])
+def test_every_study_has_a_quick_form_that_loads(study):
+    from conftest import ROOT
+
+    runs, loaded = ablate.load_study(str(ROOT / "config" / "ablations" / f"{study}.py"), quick=True)
+    assert len(loaded["seeds"]) == 1 and runs
+
+
 def test_typo_fails_before_any_training(tmp_path, char_dataset, capsys):
     bad = STUDY.replace('"rope": dict(pos_emb="rope", norm="rmsnorm")', '"rope": dict(pos_emb="rope", nrom="rmsnorm")')
     study = write_study(tmp_path, char_dataset, bad)

@@ -33,6 +33,17 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, char_dataset):
     assert one[0] != one[-1]  # it trained
 
 
+def test_a_config_error_under_torchrun_is_in_its_failure_summary(tmp_path, char_dataset):
+    """Each worker's one-line error goes to torchrun's error file, so torchrun's closing summary shows it
+    (it said "To enable traceback see: ..." there, the line itself buried in the output above)."""
+    result = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *TINY_RUN,
+                        f"--dataset={char_dataset}", f"--out_dir={tmp_path}", "--eval_iters=3",
+                        "--gradient_accumulation_steps=2", env={"OMP_NUM_THREADS": "1"})
+    summary = result.stderr[result.stderr.index("Root Cause") :]
+    assert result.returncode != 0
+    assert "traceback : error: eval_iters=3 must be divisible by the number of processes (2)" in summary, summary
+
+
 def kill_one_worker_at(out_dir, dataset, iteration, *torchrun_flags, sig=None, stopped_until=None, extra=()):
     """torchrun with 2 workers (60 steps, a checkpoint every 20, init_from=auto); kill -9 of one worker once
     `iteration` is logged. Returns (seconds from the kill to the end, return code, output). With

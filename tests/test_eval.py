@@ -102,7 +102,7 @@ def test_another_tokenizers_dataset_is_refused(tmp_path, trained_run):
     text = make_text(5000, seed=9).upper()
     prepare_text(text, char_tokenizer_for(text), str(tmp_path / "upper"))
     result = run_main("eval.py", f"--out_dir={trained_run}", f"--dataset={tmp_path / 'upper'}", "--device=cpu")
-    assert result.returncode == 2 and "but the checkpoint was trained with" in result.stderr
+    assert result.returncode == 2 and "but the model was trained with" in result.stderr
 
 
 def test_the_checkpoints_own_dataset_by_default_and_json(tmp_path, trained_run):

@@ -41,6 +41,27 @@ def write_tasks(folder):
     return list(tasks)
 
 
+def test_the_guides_task_yaml_loads_without_warnings(tmp_path, caplog):
+    """docs/guide.md's example of a task of your own, verbatim but for its data path: lm-eval builds it
+    and warns about nothing (it warned twice per metric, at every run, without aggregation and
+    higher_is_better)."""
+    import logging
+    import re
+
+    from conftest import ROOT
+
+    yaml = re.search(r"```yaml\n(.*?)```", (ROOT / "docs" / "guide.md").read_text(), re.S).group(1)
+    assert "/abs/path/items.jsonl" in yaml
+    (tmp_path / "items.jsonl").write_text(json.dumps({"context": "The king", "choices": [" spoke", " slept"], "label": 0}) + "\n")
+    (tmp_path / "my_choice.yaml").write_text(yaml.replace("/abs/path/items.jsonl", str(tmp_path / "items.jsonl")))
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    with caplog.at_level(logging.INFO):
+        tasks = get_task_dict(["my_choice"], TaskManager(include_path=str(tmp_path), include_defaults=False))
+    assert len(list(tasks["my_choice"].test_docs())) == 1
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
 ARCHITECTURES = {
     "gpt2": [],
     "llama": ["--pos_emb=rope", "--norm=rmsnorm", "--mlp=swiglu", "--bias=False", "--n_head=4", "--n_kv_head=2",

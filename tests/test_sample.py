@@ -82,7 +82,7 @@ def test_file_prompt(trained_run, tmp_path, loaded):
     [
         (["--start=The king \u00a7\u00e9!"], "characters not in the vocabulary: '\u00a7\u00e9'"),
         (["--start=FILE:/nonexistent/prompt.txt"], "start=FILE:/nonexistent/prompt.txt: cannot read the prompt file"),
-        (["--start=" + "e" * 40], "the prompt is 40 tokens, longer than the model's context (block_size=32)"),
+        (["--start=" + "e" * 40], "the prompt is 40 tokens, longer than the model's context (block_size=32); shorten it, or pass --crop_prompt=left"),
         (["--top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
         (["--temperature=-1"], "temperature=-1.0 must be >= 0"),
         (["--max_new_tokens=0"], "max_new_tokens=0 must be >= 1"),
@@ -98,6 +98,17 @@ def test_bad_input_exits_2(trained_run, args, message, capsys):
     err = capsys.readouterr().err
     assert exit.value.code == 2
     assert message in err and err.count("\n") == 1, err
+
+
+def test_crop_prompt_left_keeps_the_last_block_size_tokens(trained_run, loaded):
+    """A prompt longer than block_size (32) samples, with --crop_prompt=left, what its last 32 characters do."""
+    long = "The king hath spoken, and the queen doth weep at night.\n"
+    assert len(long) > 32
+    result = run_main("sample.py", f"--out_dir={trained_run}", f"--start={long}", "--crop_prompt=left",
+                      "--num_samples=1", "--max_new_tokens=15", "--seed=3", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    assert f"the prompt is {len(long)} tokens; its first {len(long) - 32} are dropped" in result.stderr
+    assert result.stdout == long + texts(loaded, long[-32:], seed=3, max_new_tokens=15)[0] + "\n---------------\n"
 
 
 def test_missing_checkpoint(tmp_path, capsys):

@@ -255,6 +255,18 @@ def test_serve_py_serves_the_page_and_the_api(served_run):
         process.wait(timeout=30)
 
 
+def test_serves_a_model_with_its_own_bpe(bpe_run):
+    """A BPE learned by data/prepare.py: prompts in, text out, with and without the stream, as sample.py."""
+    s = Server(bpe_run[1])
+    try:
+        for prompt in ("The king", "Sweet \u00bfnight?"):  # byte-level: any character is a prompt
+            status, body = s.post({"prompt": prompt, "max_tokens": 12, "temperature": 0})
+            assert status == 200 and body["choices"][0]["text"] == s.greedy(prompt, 12) != ""
+            assert body["usage"]["prompt_tokens"] == len(s.tokenizer.encode(prompt))
+    finally:
+        s.stop()
+
+
 def test_bad_serve_keys_get_one_line():
     result = run_main("serve.py", "--out_dir=nowhere-at-all", "--port=1")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -265,6 +265,46 @@ def test_export_of_a_character_model_has_a_tokenizer_transformers_loads(tmp_path
     assert scored["export"]["bytes"] == scored["run"]["bytes"] > 0
 
 
+def test_own_bpe_end_to_end(tmp_path, bpe_run):
+    """data/prepare.py --tokenizer=bpe:N -> train -> sample -> eval's bits per byte -> export: transformers'
+    tokenizer gives our ids and the export our greedy text and figures."""
+    transformers = pytest.importorskip("transformers")
+    from checkpoint import load_model
+    from dataset import BPETokenizer, read_meta, tokenizer_from_meta
+
+    data, run = bpe_run
+    meta = read_meta(data)
+    ours = tokenizer_from_meta(meta["tokenizer"])
+    assert isinstance(ours, BPETokenizer) and meta["vocab_size"] == ours.vocab_size == 400
+    assert open(os.path.join(data, "tokenizer.json")).read() == ours.json
+    assert load_model(run)[1]["tokenizer"] == meta["tokenizer"]  # the checkpoint carries the whole tokenizer
+    # learned from the train split only: a train word is one token, the val split's words stay in pieces
+    from conftest import WORDS
+
+    assert all(len(ours.encode(" " + w)) == 1 for w in WORDS)
+    assert all(len(ours.encode(" " + w)) >= 4 for w in ("zebra", "quokka", "axolotl"))
+    text = "The king said: \u00bfqu\u00e9?  \U0001F600\n\nend"  # byte-level: no character is unknown
+    assert ours.decode(ours.encode(text)) == text
+
+    hf_dir = tmp_path / "hf"
+    exported = run_main("export.py", f"--out_dir={run}", f"--hf_dir={hf_dir}")
+    assert exported.returncode == 0 and "BPE of 400 tokens" in exported.stdout, exported.stderr
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    assert tokenizer.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert tokenizer.decode(ours.encode(text)) == text
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["eos_token_id"] == config["bos_token_id"] == ours.eot_token == 0
+    assert greedy_sample(f"--init_from={hf_dir}") == greedy_sample(f"--out_dir={run}") != ""
+    scored = {}
+    for name, source in (("export", f"--init_from={hf_dir}"), ("run", f"--out_dir={run}")):
+        result = run_main("eval.py", source, f"--dataset={data}", "--device=cpu", "--dtype=float32",
+                          f"--json={tmp_path / name}.json")
+        assert result.returncode == 0, result.stderr
+        scored[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert scored["export"]["bits_per_byte"] == pytest.approx(scored["run"]["bits_per_byte"], rel=1e-5)
+    assert scored["export"]["bytes"] == scored["run"]["bytes"] > 0
+
+
 def test_plot_draws_one_png_of_several_runs(tmp_path, trained_run):
     pytest.importorskip("matplotlib")
     out = tmp_path / "runs.png"

@@ -13,3 +13,4 @@ variants = {
     "hybrid (RRRL)": dict(attn_pattern="RRRL"),
 }
 seeds = [1, 2]
+quick = dict(max_iters=200, batch_size=8, eval_interval=50, eval_iters=10, seeds=1)  # ablate.py --quick=True: ~1.5 min

@@ -15,3 +15,4 @@ variants = {
     "none (NoPE)": dict(pos_emb="none"),
 }
 seeds = [1, 2]
+quick = dict(max_iters=150, batch_size=16, eval_interval=50, eval_iters=10, seeds=1)  # ablate.py --quick=True: ~1.5 min

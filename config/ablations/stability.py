@@ -14,3 +14,4 @@ for _lr in (3e-3, 3e-2, 3e-1):  # names starting with _ are the file's own, not 
                          ("qk-norm + z-loss", dict(qk_norm=True, z_loss=1e-4))):
         variants[f"lr {_lr:g}, {_name}"] = dict(learning_rate=_lr, min_lr=_lr / 10, **_keys)
 seeds = [1, 2]
+quick = dict(max_iters=60, batch_size=16, eval_interval=20, seeds=1)  # ablate.py --quick=True: ~1.5 min

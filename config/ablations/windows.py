@@ -15,3 +15,4 @@ variants = {
     "SSSL, window 32": dict(attn_pattern="SSSL", attn_window=32),
 }
 seeds = [1, 2]
+quick = dict(max_iters=150, batch_size=8, eval_interval=50, eval_iters=10, seeds=1)  # ablate.py --quick=True: ~1.5 min
