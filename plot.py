@@ -1,6 +1,7 @@
 """
 Plots training runs from their metrics.jsonl: train and val loss against step and against wall time,
-learning rate, gradient norm and tokens/s, several runs overlaid, in one PNG; and a text summary.
+learning rate, gradient norm and tokens/s (and, for runs with train.py --log_heads=True, the induction,
+in-context and previous-token scores), several runs overlaid, in one PNG; and a text summary.
 
   python plot.py out-shakespeare-char-cpu                      -> out-shakespeare-char-cpu/curves.png
   python plot.py out-a out-b out-c --out=compare.png           several runs, one legend
@@ -70,7 +71,8 @@ def draw(runs, path):
     plt = pyplot()
     if plt is None:
         return None
-    fig, axes = plt.subplots(2, 3, figsize=(13, 7), dpi=100)
+    heads = any("induction_score" in r for _, evals in runs.values() for r in evals)  # train.py --log_heads
+    fig, axes = plt.subplots(3 if heads else 2, 3, figsize=(13, 10.5 if heads else 7), dpi=100)
     panels = [  # (axis, records, x key, y key, x label, y label, log y)
         (axes[0, 0], "evals", "iter", "val_loss", "step", "val loss", False),
         (axes[0, 1], "evals", "elapsed", "val_loss", "wall seconds", "val loss", False),
@@ -79,11 +81,17 @@ def draw(runs, path):
         (axes[1, 1], "steps", "iter", "grad_norm", "step", "gradient norm (before clipping)", True),
         (axes[1, 2], "steps", "iter", "tokens_per_sec", "step", "tokens/s", False),
     ]
+    if heads:  # the loss again, beside the heads' scores: a phase change shows in all three at once
+        panels += [
+            (axes[2, 0], "evals", "iter", "induction_score", "step", "best induction score (probe)", False),
+            (axes[2, 1], "evals", "iter", "icl_score", "step", "in-context score (2nd - 1st copy, nats)", False),
+            (axes[2, 2], "evals", "iter", "previous_token_score", "step", "best previous-token score", False),
+        ]
     for i, (name, (steps, evals)) in enumerate(runs.items()):
         records = {"steps": steps, "evals": evals}
         for ax, kind, x, y, *_ in panels:
-            points = [(r[x], r[y]) for r in records[kind] if y in r and x in r]
-            if kind == "evals":
+            points = [(r[x], r[y]) for r in records[kind] if r.get(y) is not None and x in r]
+            if kind == "evals" and y == "val_loss":
                 points = points[1:] or points  # step 0's loss (log of the vocabulary) dwarfs the curve
             if points:
                 ax.plot(*zip(*points), label=name, linestyle=line_style(i), marker="." if kind == "evals" else None)

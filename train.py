@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Optional
 
@@ -23,11 +23,12 @@ import torch
 
 from checkpoint import CHECKPOINT, METRICS, ContextKeys, RunLock, load_checkpoint, save_checkpoint, tokens_per_step
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
-from dataset import BatchSampler, DataError, open_split, read_meta, resolve_dataset, tokenizer_from_meta
+from dataset import BatchSampler, DataError, describe_meta, open_split, read_meta, resolve_dataset, tokenizer_from_meta
 from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
 from device import autocast as autocast_for
 from hf import uses_gpt2_tokenizer
-from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, LinearAttention, ModelKeys, attention_scores, lm_loss, model_config
+from interpret import best, head_scores, recording
+from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, ModelKeys, lm_loss, model_config
 from optim import OPTIMIZERS, build_optimizers, clip_gradients, get_lr
 
 @dataclass
@@ -44,6 +45,7 @@ class TrainConfig(ModelKeys):  # and every model key (model.ModelKeys)
     log_interval: int = 10  # steps between log lines
     always_save_checkpoint: bool = True  # False: write ckpt.pt only when val loss improves (keeps the best)
     log_stability: bool = False  # each evaluation also logs the largest attention logit and the mean log Z of the output
+    log_heads: bool = False  # each evaluation also logs the best induction score and the in-context learning score (interpret.py --scores)
     # batches
     batch_size: int = 12  # sequences per micro-step, per process
     gradient_accumulation_steps: int = 1  # micro-steps per optimizer step, over all processes together
@@ -232,8 +234,8 @@ def build_model(c, explicit, data_meta, ckpt, notes):
                               "run keeps its architecture" + (" (and learned positions their length)" if any(
                                   k in CONTEXT_KEYS for k in fixed) else ""))
         if ckpt["tokenizer"] != tokenizer:
-            raise DataError(f"dataset {c.dataset!r} uses tokenizer {tokenizer}, but {c.out_dir}/{CHECKPOINT} "
-                            f"was trained with {ckpt['tokenizer']}; resume with the dataset it was trained on")
+            raise DataError(f"dataset {c.dataset!r} uses {describe_meta(tokenizer)}, but {c.out_dir}/{CHECKPOINT} "
+                            f"was trained with {describe_meta(ckpt['tokenizer'])}; resume with the dataset it was trained on")
         model = GPT(GPTConfig(**{**ckpt["model_config"], "dropout": c.dropout}))
         model.load_state_dict(ckpt["model"])
         if changed:  # only context keys are left: continue at another context
@@ -257,7 +259,7 @@ def build_model(c, explicit, data_meta, ckpt, notes):
         return GPT.from_pretrained(c.init_from, dropout=c.dropout)
     model = GPT.from_pretrained(c.init_from, dropout=c.dropout)
     if uses_gpt2_tokenizer(model.config) and tokenizer != {"kind": "tiktoken", "encoding": "gpt2"}:
-        raise DataError(f"GPT-2 weights need a dataset tokenized with tiktoken gpt2; {c.dataset!r} uses {tokenizer}")
+        raise DataError(f"GPT-2 weights need a dataset tokenized with tiktoken gpt2; {c.dataset!r} uses {describe_meta(tokenizer)}")
     return model
 
 
@@ -320,31 +322,6 @@ UNFREED_RUNS = []
 # The pieces of a run
 
 
-@contextmanager
-def recording_max_attention_logit(model):
-    """Yields a list; every softmax attention call inside the block appends its largest pre-softmax score
-    (scaled q.k plus any position bias, over the keys its mask lets a query see). Diagnoses attention-logit growth
-    (Wortsman et al. 2023) without touching the attention code itself."""
-    found = []
-
-    def recorder(attend):
-        def attend_and_record(q, k, v, mask, dropout_p=0.0):
-            found.append(attention_scores(q.float(), k.float(), mask).max())
-            return attend(q, k, v, mask, dropout_p)
-
-        return attend_and_record
-
-    attentions = [b.attn for b in model.blocks if not isinstance(b.attn, LinearAttention)]  # softmax layers
-    originals = [attn.attend for attn in attentions]
-    for attn, attend in zip(attentions, originals):
-        attn.attend = recorder(attend)
-    try:
-        yield found
-    finally:
-        for attn, attend in zip(attentions, originals):
-            attn.attend = attend
-
-
 class Run:
     """One process's share of a training run: its device and process group, data, model (wrapped for
     compile and DDP/FSDP2), optimizers and loss scaler, with what the step loop does to them: evaluate()
@@ -367,6 +344,8 @@ class Run:
             raise ConfigError(f"eval_iters={c.eval_iters} must be divisible by the number of processes ({world.size})")
         if c.fsdp and not world.enabled:
             raise ConfigError("fsdp=True needs torchrun (several processes); without it, leave fsdp=False")
+        if c.fsdp and c.log_heads:
+            raise ConfigError("log_heads=True reads whole weight matrices, which fsdp=True shards; use DDP (fsdp=False)")
         if c.fsdp and c.optimizer == "muon":
             raise ConfigError("optimizer=muon does not support sharded (FSDP2) parameters; use DDP (fsdp=False)")
         self.micro_steps = c.gradient_accumulation_steps // world.size
@@ -459,10 +438,15 @@ class Run:
                 result["val_bpb"] = result["val"] * tokens / math.log(2) / n_bytes
         if c.log_stability:  # on one val batch: the instabilities' two symptoms
             x, _ = self.eval_batches["val"].sample(c.batch_size)
-            with recording_max_attention_logit(self.raw_model) as logits_max, self.autocast:
+            with recording(self.raw_model, weights=False) as records, self.autocast:
                 logits, _ = self.raw_model(self.to_device(x))
-            result["max_attn_logit"] = world.mean(torch.stack(logits_max).max()).item()
+            result["max_attn_logit"] = world.mean(torch.stack([r.max_logit for r in records if r]).max()).item()
             result["mean_log_z"] = world.mean(torch.logsumexp(logits.float(), dim=-1).mean()).item()
+        if c.log_heads:  # the repeated random-token probe (its own generator: the training RNG is untouched)
+            with self.autocast:
+                heads = head_scores(self.raw_model)
+            result["induction_score"], result["icl_score"] = best(heads["induction"]), heads["icl"]
+            result["previous_token_score"] = best(heads["previous"])
         self.model.train()
         return result
 
@@ -689,6 +673,8 @@ def train(c, explicit, script=False):
                                 "elapsed": state.elapsed()},
                                f"eval {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                                + (f" ({losses['val_bpb']:.4f} bits per byte)" if "val_bpb" in losses else "")
+                               + (f", induction {losses['induction_score']:.3f}, in-context {losses['icl_score']:+.3f}"
+                                  if losses.get("induction_score") is not None else "")
                                + (" (best)" if improved else ""))
                     if it > start_iter and (improved or c.always_save_checkpoint):
                         state.save(run, ckpt_path, logger)

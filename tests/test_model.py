@@ -308,14 +308,18 @@ def test_estimate_mfu():
     assert estimate_mfu(model, 1000.0, 32, peak_flops=flops * 2000.0) == pytest.approx(0.5)
 
 
-def test_recorded_attention_logit_is_the_largest_causal_score():
-    from train import recording_max_attention_logit
+@pytest.mark.parametrize("weights", [False, True])
+def test_recorded_attention_is_the_models_own_softmax(weights):
+    """interpret.recording: the largest visible score (train.py's log_stability) and, with weights=True, the
+    attention weights (interpret.py's maps): the softmax of the scores computed here from the model's own
+    projections, to 1e-6; the model's output unchanged either way."""
+    from interpret import recording
 
     model = build(n_layer=1, pos_emb="rope")
     idx = torch.randint(0, 61, (2, 12))
-    with recording_max_attention_logit(model) as found:
+    with recording(model, weights=weights) as found:
         logits = model(idx)[0]
-    assert torch.equal(logits, model(idx)[0])  # recording changes nothing
+    assert (logits - model(idx)[0]).abs().max() <= (1e-5 if weights else 0)  # recording changes nothing
     attn = model.blocks[0].attn
     x = model.blocks[0].norm1(model.positions.embed(model.tok_emb(idx), 0))
     q, k, _ = attn.qkv(x).split(32, dim=-1)
@@ -323,7 +327,11 @@ def test_recorded_attention_logit_is_the_largest_causal_score():
     q, k = model.positions.rotate(q, k, 0)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(8)
     causal = torch.ones(12, 12, dtype=torch.bool).tril()
-    assert len(found) == 1 and found[0].item() == pytest.approx(scores[..., causal].max().item(), rel=1e-5)
+    assert len(found) == 1 and found[0].max_logit.item() == pytest.approx(scores[..., causal].max().item(), rel=1e-5)
+    if weights:
+        expected = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        assert (found[0].weights - expected).abs().max() <= 1e-6
+        assert torch.equal(found[0].hidden, ~causal.expand(2, 4, 12, 12))
     assert attn.attend.__name__ == "attention_sdpa"  # restored afterwards
 
 

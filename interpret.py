@@ -1,0 +1,301 @@
+"""
+Looks inside a trained model: its attention maps for a prompt, and per-head scores on a standard probe.
+
+  python interpret.py --out_dir=out-shakespeare-char-cpu --start="ROMEO: O Romeo, Romeo!"   -> attention.png
+  python interpret.py --out_dir=out-shakespeare-char-cpu --start=FILE:prompt.txt --layer=1 --head=2
+  python interpret.py --out_dir=out-shakespeare-char-cpu --scores=True --json=heads.json
+
+The maps are the softmax weights the model computed in its forward pass (layers x heads; the causal mask's
+hidden half, and keys outside a sliding window, in grey; linear-attention layers have no such weights and
+say so). Attention weights show where a head read from, not why the model predicted what it did (Jain and
+Wallace 2019).
+
+--scores runs the probe of Olsson et al. (2022), "In-context learning and induction heads": rows of n
+distinct random tokens, each row repeated twice. Per head, averaged over rows:
+  previous   attention from each token to the one before it (a previous-token head);
+  duplicate  attention from each token of the second copy to its earlier occurrence;
+  induction  attention from each token of the second copy to the token after its earlier occurrence:
+             the pattern of an induction head (Olsson et al.'s prefix matching), 1 at best, about
+             1/position for uniform attention;
+  copying    whether the head's output raises the logit of the token it attends to: sum(eig)/sum(|eig|) of
+             its token-to-logit matrix W_U W_O W_V W_E (norms ignored), +1 copies, -1 suppresses.
+and for the model, the in-context learning score: the mean loss on the second copy minus the mean loss on
+the first (below 0: the model uses the first copy; a model without induction heads stays near 0).
+"""
+
+from collections import namedtuple
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from checkpoint import load_any
+from configurator import ConfigError, cli_main, parse_config
+from dataset import write_json
+from model import CausalSelfAttention, LinearAttention, attention_scores
+
+
+@dataclass
+class InterpretConfig:
+    out_dir: str = "out"  # the training run's directory (init_from=resume)
+    init_from: str = "resume"  # resume (out_dir/ckpt.pt) | a Hugging Face model directory | gpt2 ...
+    start: str = "\n"  # the prompt whose attention to draw (\n, \t, \\ as in sample.py), or FILE:path
+    layer: Optional[int] = None  # draw this layer only (0-based); None = every layer
+    head: Optional[int] = None  # draw this head only, full size (with --layer); None = every head
+    png: str = "attention.png"  # where the maps go
+    scores: bool = False  # per-head scores on the repeated random-token probe instead of maps
+    probe_len: int = 0  # tokens in each copy of the probe; 0 = min(64, block_size // 2, vocab_size)
+    probe_rows: int = 16  # probe rows (each its own random tokens)
+    seed: int = 0  # the probe's random tokens
+    json: str = ""  # also write the scores here as JSON
+
+
+# ----------------------------------------------------------------------------------------------------
+# Attention weights, from the forward pass itself
+
+
+@contextmanager
+def recording(model, weights=True):
+    """Within it, each forward of model records, per softmax attention layer, its attention weights
+    (B, H, T, keys), the keys its mask hid (True) and its largest visible score, into the yielded list (one
+    entry per layer; None for linear-attention layers). The weights are the explicit path's (the reference
+    SDPA is tested against: model.attention_explicit, step for step), and they also make the layer's
+    output, so they are what the model computed. weights=False records the largest score alone and leaves
+    the layer's own path (SDPA) to compute: train.py's log_stability."""
+    records = [None] * len(model.blocks)
+    originals = []
+    for i, block in enumerate(model.blocks):
+        attn = block.attn
+        if isinstance(attn, LinearAttention) or not isinstance(attn, CausalSelfAttention):
+            continue
+
+        def attend(q, k, v, mask, dropout_p=0.0, i=i, original=attn.attend):
+            if not weights:
+                records[i] = Record(None, None, attention_scores(q.float(), k.float(), mask).max())
+                return original(q, k, v, mask, dropout_p)
+            scores = attention_scores(q, k, mask)
+            w = F.softmax(scores.float(), dim=-1)
+            records[i] = Record(w.detach(), torch.isneginf(scores).detach(), scores.detach().float().max())
+            w = F.dropout(w.to(q.dtype), p=dropout_p)
+            return w @ v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+
+        originals.append((attn, attn.attend))
+        attn.attend = attend
+    try:
+        yield records
+    finally:
+        for attn, original in originals:
+            attn.attend = original
+
+
+Record = namedtuple("Record", "weights hidden max_logit")
+
+
+def attention_maps(model, ids):
+    """(logits (1, T, vocab), [per layer: (weights (H, T, T), hidden (H, T, T)) or None]) for one sequence."""
+    with torch.no_grad(), recording(model) as maps:
+        logits, _ = model(torch.tensor([ids], dtype=torch.long))
+    return logits, [None if m is None else (m.weights[0], m.hidden[0]) for m in maps]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Scores on the repeated random-token probe
+
+
+def probe_tokens(vocab_size, n, rows, seed):
+    """(rows, 2n): per row, n distinct random token ids, then the same n again (distinct, so each token of
+    the second copy has exactly one earlier occurrence)."""
+    g = torch.Generator().manual_seed(seed)
+    first = torch.stack([torch.randperm(vocab_size, generator=g)[:n] for _ in range(rows)])
+    return torch.cat([first, first], dim=1)
+
+
+def default_probe_len(config):
+    return min(64, config.block_size // 2, config.vocab_size)
+
+
+def copying_scores(model):
+    """(layers, heads): sum(eig)/sum(|eig|) of each head's direct token -> logit matrix
+    W_E W_V^h W_O^h W_U (vocab x vocab), from its d x d equivalent W_O^h W_U W_E W_V^h (same nonzero
+    eigenvalues), norms and positions ignored as in Olsson et al.'s copying analysis."""
+    E, U = model.tok_emb.weight.float(), model.lm_head.weight.float()  # (V, C) each
+    rows = []
+    for block in model.blocks:
+        attn = block.attn
+        H, KV, D = attn.n_head, attn.n_kv_head, attn.head_dim
+        Wv = attn.qkv.weight.float()[(H + KV) * D :]  # (KV * D, C)
+        Wo = attn.proj.weight.float()  # (C, H * D)
+        row = []
+        for h in range(H):
+            g = h // (H // KV)
+            v, o = Wv[g * D : (g + 1) * D], Wo[:, h * D : (h + 1) * D]  # (D, C), (C, D)
+            eig = torch.linalg.eigvals((v @ E.T) @ (U @ o))  # (D, V) (V, D): d x d
+            total = eig.abs().sum().item()
+            row.append(eig.real.sum().item() / total if total > 0 else 0.0)
+        rows.append(row)
+    return rows
+
+
+def head_scores(model, n=None, rows=16, seed=0):
+    """The probe's scores: {"previous", "duplicate", "induction", "copying": per layer a list of per-head
+    floats (None for a linear-attention layer's attention scores), "chance": the induction score of
+    uniform attention, "icl": second copy's loss - first copy's, "loss_first", "loss_second", "probe_len"}."""
+    config = model.config
+    n = n or default_probe_len(config)
+    if not 2 <= n <= min(config.vocab_size, (config.context_limit or 2 * n) // 2):
+        raise ConfigError(f"probe_len={n}: the probe needs 2 copies within block_size={config.block_size} and "
+                          f"n distinct tokens of the {config.vocab_size} (2 <= n <= {min(config.vocab_size, config.block_size // 2)})")
+    idx = probe_tokens(config.vocab_size, n, rows, seed).to(next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), recording(model) as maps:
+            logits, _ = model(idx)
+    finally:
+        model.train(was_training)
+    second = torch.arange(n, 2 * n)
+    every = torch.arange(1, 2 * n)
+    scores = {"previous": [], "duplicate": [], "induction": []}
+    for m in maps:
+        if m is None:
+            for key in scores:
+                scores[key].append(None)
+            continue
+        w = m.weights  # (B, H, 2n, 2n)
+        scores["previous"].append(w[:, :, every, every - 1].mean(dim=(0, 2)).tolist())
+        scores["duplicate"].append(w[:, :, second, second - n].mean(dim=(0, 2)).tolist())
+        scores["induction"].append(w[:, :, second, second - n + 1].mean(dim=(0, 2)).tolist())
+    # losses: predicting tokens 1..n-1 of the first copy (random: nothing to learn from) against tokens
+    # n+1..2n-1 of the second (each predictable from the first copy)
+    nats = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), idx[:, 1:].flatten(), reduction="none").view(rows, -1)
+    first, later = nats[:, : n - 1].mean().item(), nats[:, n:].mean().item()
+    return {**scores, "copying": copying_scores(model), "chance": (1.0 / (second + 1).double()).mean().item(),
+            "icl": later - first, "loss_first": first, "loss_second": later, "probe_len": n}
+
+
+def best(values):
+    """The largest score over every head of every layer that has one (None if none has)."""
+    flat = [v for layer in values if layer is not None for v in layer]
+    return max(flat) if flat else None
+
+
+def scores_table(s):
+    lines = [f"probe: {s['probe_len']} distinct random tokens, twice; uniform attention's induction score "
+             f"{s['chance']:.3f}",
+             f"in-context learning score {s['icl']:+.3f} nats (second copy {s['loss_second']:.3f} - first "
+             f"{s['loss_first']:.3f})", "",
+             "layer head  previous  duplicate  induction  copying"]
+    for layer, row in enumerate(s["copying"]):
+        for head, copying in enumerate(row):
+            att = [s[k][layer] for k in ("previous", "duplicate", "induction")]
+            cells = "  ".join("   linear" if a is None else f"{a[head]:9.3f}" for a in att)
+            lines.append(f"{layer:5d} {head:4d} {cells}  {copying:+7.3f}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Drawing
+
+
+def token_labels(tokenizer, ids):
+    labels = []
+    for i in ids:
+        text = tokenizer.decode([i])
+        labels.append(text.replace("\n", "\\n").replace("\t", "\\t") if text.strip() else repr(text)[1:-1] or "·")
+    return labels
+
+
+def draw(maps, labels, path, layer=None, head=None):
+    """The maps as a grid (layers x heads), or one map; grey where the mask hid a key."""
+    from plot import pyplot, save
+
+    plt = pyplot()
+    if plt is None:
+        raise ConfigError("the maps need matplotlib (pip install matplotlib); --scores=True prints text without it")
+    layers = [layer] if layer is not None else list(range(len(maps)))
+    n_head = next((m[0].size(0) for m in maps if m is not None), 1)
+    heads = [head] if head is not None else list(range(n_head))
+    single = len(layers) == len(heads) == 1
+    size = 7 if single else 2.2
+    fig, axes = plt.subplots(len(layers), len(heads), figsize=(size * len(heads) + 0.6, size * len(layers)),
+                             squeeze=False)
+    cmap = plt.get_cmap("viridis").with_extremes(bad="#d0d0d0")
+    show_labels = len(labels) <= (60 if single else 24)
+    image = None
+    for r, l in enumerate(layers):
+        for c, h in enumerate(heads):
+            ax = axes[r][c]
+            ax.set_title(f"layer {l}, head {h}", fontsize=9 if not single else 11)
+            if maps[l] is None:
+                ax.text(0.5, 0.5, "linear attention:\nno softmax weights", ha="center", va="center", fontsize=8)
+                ax.set_xticks([]), ax.set_yticks([])
+                continue
+            weights, hidden = maps[l]
+            image = ax.imshow(weights[h].masked_fill(hidden[h], float("nan")).cpu().numpy(), cmap=cmap, vmin=0,
+                              vmax=1, interpolation="nearest")
+            if show_labels:
+                ticks = range(len(labels))
+                ax.set_xticks(ticks, labels, rotation=90, fontsize=6 if not single else 8)
+                ax.set_yticks(ticks, labels, fontsize=6 if not single else 8)
+            else:
+                ax.set_xticks([]), ax.set_yticks([])
+            if single:
+                ax.set_xlabel("key (attended to)"), ax.set_ylabel("query")
+    if single and image is not None:
+        fig.colorbar(image, ax=axes[0][0], fraction=0.046, pad=0.04)
+    fig.suptitle("attention weights (rows: queries, columns: the keys they read; grey: hidden by the mask)",
+                 fontsize=10 if single else 9)
+    path = save(plt, fig, path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# Command line
+
+
+def interpret(c):
+    from sample import read_prompt  # the prompt as sample.py reads it (escapes, FILE:)
+
+    model, tokenizer, _ = load_any(c.out_dir if c.init_from == "resume" else c.init_from)
+    model.eval()
+    config = model.config
+    if c.scores:
+        s = head_scores(model, c.probe_len or None, c.probe_rows, c.seed)
+        print(scores_table(s))
+        if c.json:
+            write_json(c.json, s)
+            print(f"wrote {c.json}")
+        return s
+    for key, value, limit in (("layer", c.layer, config.n_layer), ("head", c.head, config.n_head)):
+        if value is not None and not 0 <= value < limit:
+            raise ConfigError(f"{key}={value} does not exist: the model has {limit} {key}s, 0 to {limit - 1}")
+    if c.head is not None and c.layer is None:
+        raise ConfigError("head=... draws one map: give --layer too")
+    ids = tokenizer.encode(read_prompt(c.start))
+    if not ids:
+        raise ConfigError("the prompt is empty; give some text with --start")
+    limit = config.context_limit
+    if limit is not None and len(ids) > limit:
+        raise ConfigError(f"the prompt is {len(ids)} tokens, longer than the model's context (block_size={limit}); shorten it")
+    _, maps = attention_maps(model, ids)
+    if c.layer is not None and maps[c.layer] is None:
+        raise ConfigError(f"layer {c.layer} is a linear-attention layer: it has no softmax weights to draw")
+    path = draw(maps, token_labels(tokenizer, ids), c.png, c.layer, c.head)
+    print(f"wrote {path}: {len(ids)} tokens, " + ("every layer and head" if c.layer is None else
+          f"layer {c.layer}" + ("" if c.head is None else f", head {c.head}")))
+    return maps
+
+
+def main(argv=None):
+    def command(argv):
+        c, _ = parse_config(InterpretConfig, argv, "python interpret.py --out_dir=DIR [--start=TEXT] [--scores=True]",
+                            __doc__.strip().splitlines()[0])
+        interpret(c)
+
+    cli_main(command, argv)
+
+
+if __name__ == "__main__":
+    main()

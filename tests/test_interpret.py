@@ -1,0 +1,121 @@
+"""interpret.py: attention maps from the forward pass, and the per-head scores on the repeated random-token
+probe, checked on a 2-layer model whose weights the test sets so that it implements induction exactly."""
+
+import json
+
+import pytest
+import torch
+
+import interpret
+from conftest import TINY_RUN, read_metrics, run_main
+from model import GPT, GPTConfig
+
+V, T = 16, 16  # vocabulary and context of the hand-built model: probes of 8 distinct tokens, twice
+
+
+def induction_model():
+    """Two layers, residual stream = [token one-hot | previous token one-hot | position one-hot] (48 wide,
+    3 heads of 16), MLPs zero. Layer 0 head 0 attends from position i to i - 1 (queries are positions,
+    keys positions shifted by one) and writes that token into the "previous token" slot; layer 1 head 0
+    attends to the positions whose previous token is the current token (queries the token slot, keys the
+    previous-token slot) and copies what is there into the token slot, which the tied head reads: an
+    induction head (Olsson et al. 2022, figure "induction head"). Scores after RMSNorm are about 12, so
+    each softmax is within 1e-4 of one-hot."""
+    config = GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=3, n_embd=3 * 16, pos_emb="learned",
+                       norm="rmsnorm", mlp="relu2", bias=False, dropout=0.0)
+    model = GPT(config).eval()
+    tok, prev, pos = range(0, 16), range(16, 32), range(32, 48)
+    q, k, v = 0, 48, 96  # row offsets of head 0's query, key and value in the fused qkv weight
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        for norm in (model.norm_f, *(m for b in model.blocks for m in (b.norm1, b.norm2))):
+            norm.weight.fill_(1.0)
+        for t in range(V):
+            model.tok_emb.weight[t, tok[t]] = 1.0
+        for i in range(T):
+            model.positions.wpe.weight[i, pos[i]] = 1.0
+        a0, a1 = model.blocks[0].attn, model.blocks[1].attn
+        for i in range(T):
+            a0.qkv.weight[q + i, pos[i]] = 3.0  # query: my position
+            if i + 1 < T:
+                a0.qkv.weight[k + i + 1, pos[i]] = 1.0  # key: the position after mine
+        for t in range(V):
+            a0.qkv.weight[v + t, tok[t]] = 1.0  # value: my token
+            a0.proj.weight[prev[t], t] = 0.2  # -> the previous-token slot (about one-hot after the norm's x4.9)
+            a1.qkv.weight[q + t, tok[t]] = 3.0  # query: my token
+            a1.qkv.weight[k + t, prev[t]] = 1.0  # key: the token before yours
+            a1.qkv.weight[v + t, tok[t]] = 1.0  # value: your token
+            a1.proj.weight[tok[t], t] = 4.0  # -> the token slot: the next-token prediction
+    return model
+
+
+def test_a_hand_built_induction_head_scores_near_one():
+    s = interpret.head_scores(induction_model(), rows=8)
+    assert s["probe_len"] == 8
+    assert s["previous"][0][0] > 0.999  # layer 0 head 0: the previous-token head
+    # layer 1 head 0: the induction head. One position of eight shares its attention with a spurious key
+    # (position 0 attends to itself, so its "previous token" is its own): 7.5/8 at best
+    assert s["induction"][1][0] > 0.93 and s["duplicate"][1][0] < 0.07  # (the spurious key is a duplicate)
+    assert interpret.best(s["induction"]) == s["induction"][1][0]
+    assert max(s["induction"][0] + s["induction"][1][1:]) < 0.2  # the other heads do not
+    assert s["copying"][1][0] > 0.99  # its output raises the logit of the token it reads
+    assert s["icl"] < -1.0 and s["loss_second"] < 0.5  # the second copy is predicted from the first
+
+
+def test_a_random_model_scores_near_chance():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32)).eval()
+    s = interpret.head_scores(model, rows=8)
+    assert s["probe_len"] == 32 and 0.02 < s["chance"] < 0.03
+    for layer in s["induction"]:
+        for score in layer:
+            assert 0.7 * s["chance"] < score < 1.4 * s["chance"]
+    assert abs(s["icl"]) < 0.05
+
+
+def test_head_scores_refuse_a_probe_that_does_not_fit():
+    from configurator import ConfigError
+
+    with pytest.raises(ConfigError, match="probe_len=9"):
+        interpret.head_scores(induction_model(), n=9)
+
+
+def test_interpret_draws_maps_and_writes_scores(tmp_path, trained_run):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "maps.png"
+    drawn = run_main("interpret.py", f"--out_dir={trained_run}", "--start=The king spoke", f"--png={png}")
+    assert drawn.returncode == 0 and png.stat().st_size > 10_000, drawn.stderr
+    one = run_main("interpret.py", f"--out_dir={trained_run}", "--start=The king", "--layer=1", "--head=0",
+                   f"--png={tmp_path / 'one.png'}")
+    assert one.returncode == 0 and "layer 1, head 0" in one.stdout, one.stderr
+    scored = run_main("interpret.py", f"--out_dir={trained_run}", "--scores=True", f"--json={tmp_path / 's.json'}")
+    assert scored.returncode == 0 and "layer head  previous  duplicate  induction  copying" in scored.stdout
+    saved = json.loads((tmp_path / "s.json").read_text())
+    assert len(saved["induction"]) == 2 and len(saved["induction"][0]) == 2 and "icl" in saved
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--out_dir=/nonexistent/run"], "no such checkpoint"),
+    (["--start=The \u00bf"], "characters not in the vocabulary: '\u00bf'"),
+    (["--layer=2"], "layer=2 does not exist: the model has 2 layers, 0 to 1"),
+    (["--layer=0", "--head=5"], "head=5 does not exist"),
+    (["--head=1"], "give --layer too"),
+    (["--scores=True", "--probe_len=40"], "probe_len=40"),
+])
+def test_bad_input_is_one_line(trained_run, args, message):
+    result = run_main("interpret.py", f"--out_dir={trained_run}", *args)
+    assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
+def test_training_logs_head_scores_and_plot_draws_them(tmp_path, char_dataset):
+    import train
+
+    train.main([*TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'run'}", "--max_iters=4",
+                "--eval_interval=2", "--log_heads=True"])
+    evals = [r for r in read_metrics(tmp_path / "run") if "val_loss" in r]
+    assert [r["iter"] for r in evals] == [0, 2, 4]
+    assert all(0 < r["induction_score"] < 1 and 0 < r["previous_token_score"] < 1 and abs(r["icl_score"]) < 1
+               for r in evals)
+    plotted = run_main("plot.py", str(tmp_path / "run"))
+    assert plotted.returncode == 0 or "matplotlib is not installed" in plotted.stdout
