@@ -406,11 +406,10 @@ def save_tokenizer(meta, directory, max_length):
         what = f"a {len(meta['chars'])}-character vocabulary (tokenizer.json)"
     else:
         return f"no tokenizer written: {describe_meta(meta)} has no Hugging Face equivalent here"
-    with open(os.path.join(directory, "config.json")) as f:
-        model_config = json.load(f)
-    if (model_config.get("bos_token_id"), model_config.get("eos_token_id")) != (eot, eot):
-        with open(os.path.join(directory, "config.json"), "w") as f:
-            json.dump(model_config | {"bos_token_id": eot, "eos_token_id": eot}, f, indent=2)
+    with open(os.path.join(directory, "config.json")) as f:  # the ids of this tokenizer's end-of-text token
+        model_config = json.load(f)  # (transformers' defaults: GPT-2's 50256, Llama's 1 and 2)
+    with open(os.path.join(directory, "config.json"), "w") as f:
+        json.dump(model_config | {"bos_token_id": eot, "eos_token_id": eot}, f, indent=2)
     tokenizer.save(os.path.join(directory, "tokenizer.json"))
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)

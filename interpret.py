@@ -4,6 +4,7 @@ Looks inside a trained model: its attention maps for a prompt, and per-head scor
   python interpret.py --out_dir=out-shakespeare-char-cpu --start="ROMEO: O Romeo, Romeo!"   -> attention.png
   python interpret.py --out_dir=out-shakespeare-char-cpu --start=FILE:prompt.txt --layer=1 --head=2
   python interpret.py --out_dir=out-shakespeare-char-cpu --scores=True --json=heads.json
+  python interpret.py --out_dir=out-shakespeare-char-cpu --probe=True --layer=1 --head=0   the probe's maps
 
 The maps are the softmax weights the model computed in its forward pass (layers x heads; the causal mask's
 hidden half, and keys outside a sliding window, in grey; linear-attention layers have no such weights and
@@ -42,6 +43,7 @@ class InterpretConfig:
     out_dir: str = "out"  # the training run's directory (init_from=resume)
     init_from: str = "resume"  # resume (out_dir/ckpt.pt) | a Hugging Face model directory | gpt2 ...
     start: str = "\n"  # the prompt whose attention to draw (\n, \t, \\ as in sample.py), or FILE:path
+    probe: bool = False  # draw the maps on the first row of the --scores probe instead of --start
     layer: Optional[int] = None  # draw this layer only (0-based); None = every layer
     head: Optional[int] = None  # draw this head only, full size (with --layer); None = every head
     png: str = "attention.png"  # where the maps go
@@ -273,7 +275,10 @@ def interpret(c):
             raise ConfigError(f"{key}={value} does not exist: the model has {limit} {key}s, 0 to {limit - 1}")
     if c.head is not None and c.layer is None:
         raise ConfigError("head=... draws one map: give --layer too")
-    ids = tokenizer.encode(read_prompt(c.start))
+    if c.probe:
+        ids = probe_tokens(config.vocab_size, c.probe_len or default_probe_len(config), 1, c.seed)[0].tolist()
+    else:
+        ids = tokenizer.encode(read_prompt(c.start))
     if not ids:
         raise ConfigError("the prompt is empty; give some text with --start")
     limit = config.context_limit

@@ -74,6 +74,23 @@ def test_a_random_model_scores_near_chance():
     assert abs(s["icl"]) < 0.05
 
 
+def test_a_window_hides_its_far_keys_and_a_linear_layer_has_no_map():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, pos_emb="rope",
+                          attn_pattern="SR", attn_window=4)).eval()
+    ids = list(range(10))
+    logits, maps = interpret.attention_maps(model, ids)
+    assert torch.allclose(logits, model(torch.tensor([ids]))[0], atol=1e-5)
+    weights, hidden = maps[0]
+    i, j = torch.meshgrid(torch.arange(10), torch.arange(10), indexing="ij")
+    seen = (j <= i) & (j > i - 4)  # causal, and within the last 4 positions
+    assert torch.equal(hidden, ~seen.expand(2, 10, 10)) and torch.all(weights[hidden] == 0)
+    assert torch.allclose(weights.sum(-1), torch.ones(2, 10))
+    assert maps[1] is None  # the linear-attention layer
+    s = interpret.head_scores(model, rows=2)
+    assert s["induction"][1] is None and len(s["copying"][1]) == 2
+
+
 def test_head_scores_refuse_a_probe_that_does_not_fit():
     from configurator import ConfigError
 
@@ -86,7 +103,7 @@ def test_interpret_draws_maps_and_writes_scores(tmp_path, trained_run):
     png = tmp_path / "maps.png"
     drawn = run_main("interpret.py", f"--out_dir={trained_run}", "--start=The king spoke", f"--png={png}")
     assert drawn.returncode == 0 and png.stat().st_size > 10_000, drawn.stderr
-    one = run_main("interpret.py", f"--out_dir={trained_run}", "--start=The king", "--layer=1", "--head=0",
+    one = run_main("interpret.py", f"--out_dir={trained_run}", "--probe=True", "--layer=1", "--head=0",
                    f"--png={tmp_path / 'one.png'}")
     assert one.returncode == 0 and "layer 1, head 0" in one.stdout, one.stderr
     scored = run_main("interpret.py", f"--out_dir={trained_run}", "--scores=True", f"--json={tmp_path / 's.json'}")

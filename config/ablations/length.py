@@ -17,4 +17,4 @@ variants = {
 }
 seeds = [1, 2]
 eval_lengths = [128, 256, 512, 1024]
-quick = dict(max_iters=150, batch_size=16, eval_interval=50, eval_iters=10, seeds=1, eval_lengths=[128, 512])  # ~1.5 min
+quick = dict(max_iters=150, batch_size=8, eval_interval=50, eval_iters=10, seeds=1, eval_lengths=[128, 512])  # ~1.5 min

@@ -19,4 +19,4 @@ variants = {
     "post, lr 1e-2, warmup 80": dict(norm_placement="post", warmup_iters=80, learning_rate=1e-2, min_lr=1e-3),
 }
 seeds = [1]
-quick = dict(max_iters=120, batch_size=16, eval_interval=40, eval_iters=10)  # ablate.py --quick=True: ~1.5 min
+quick = dict(max_iters=100, batch_size=8, eval_interval=50, eval_iters=10)  # ablate.py --quick=True: ~1.5 min
