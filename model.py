@@ -56,7 +56,7 @@ class ModelKeys:
     t5_max_distance: int = 128  # pos_emb=t5: offsets from here on share the last bucket
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_eps: float = 1e-5
-    mlp: str = "gelu"  # gelu | swiglu | relu2
+    mlp: str = "gelu"  # gelu | swiglu | relu2 | none (attention-only blocks)
     mlp_hidden: Optional[int] = None  # None = 4*n_embd (gelu, relu2), 8/3*n_embd rounded up to 64 (swiglu)
     qk_norm: bool = False  # normalise each head's queries and keys before the dot product
     tie_embeddings: bool = True  # LM head shares the token embedding matrix
@@ -386,6 +386,7 @@ MLPS = {
     "gelu": lambda config: MLP(config, gelu_tanh),
     "relu2": lambda config: MLP(config, relu_squared),
     "swiglu": SwiGLU,
+    "none": None,  # attention-only blocks, the toy models of Elhage et al. (2021) and Olsson et al. (2022)
 }
 
 MODEL_CHOICES = {
@@ -408,15 +409,16 @@ class Block(nn.Module):
         self.post_norm = config.norm_placement == "post"
         self.norm1 = make_norm(config, config.n_embd)
         self.attn = ATTENTION_KINDS[kind](config)
-        self.norm2 = make_norm(config, config.n_embd)
-        self.mlp = MLPS[config.mlp](config)
+        attention_only = MLPS[config.mlp] is None  # then no MLP and no norm for it
+        self.norm2 = None if attention_only else make_norm(config, config.n_embd)
+        self.mlp = None if attention_only else MLPS[config.mlp](config)
 
     def forward(self, x, positions, start, mask, cache):
         if self.post_norm:  # Vaswani et al. (2017): each residual sum normalised; needs warmup to train
             x = self.norm1(x + self.attn(x, positions, start, mask, cache))
-            return self.norm2(x + self.mlp(x))
+            return x if self.mlp is None else self.norm2(x + self.mlp(x))
         x = x + self.attn(self.norm1(x), positions, start, mask, cache)
-        return x + self.mlp(self.norm2(x))
+        return x if self.mlp is None else x + self.mlp(self.norm2(x))
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -335,6 +335,23 @@ def test_recorded_attention_is_the_models_own_softmax(weights):
     assert attn.attend.__name__ == "attention_sdpa"  # restored afterwards
 
 
+@pytest.mark.parametrize("norm_placement", ["pre", "post"])
+def test_attention_only_blocks(norm_placement):
+    """mlp='none': blocks of attention alone (no MLP, no norm for it: no parameter left unused, which DDP
+    would refuse); generation with the cache equals generation without it."""
+    model = build(mlp="none", pos_emb="rope", norm="rmsnorm", norm_placement=norm_placement)
+    full = build(mlp="relu2", pos_emb="rope", norm="rmsnorm", norm_placement=norm_placement)
+    assert not any(".mlp." in k or ".norm2." in k for k in model.state_dict())
+    mlp_params = sum(p.numel() for b in full.blocks for p in (*b.mlp.parameters(), *b.norm2.parameters()))
+    assert model.get_num_params() == full.get_num_params() - mlp_params
+    idx = torch.randint(0, 61, (2, 6))
+    greedy = Sampling(temperature=0)
+    assert torch.equal(model.generate(idx, 12, greedy), model.generate(idx, 12, greedy, use_cache=False))
+    loss = model(idx, idx)[1]
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_gelu_tanh_is_the_same_function_compiled_or_not():
     x = torch.linspace(-10, 10, 4001, dtype=torch.float64, requires_grad=True)
     sigmoid_form, aten = gelu_tanh_as_sigmoid(x), F.gelu(x, approximate="tanh")
