@@ -304,30 +304,38 @@ def write_results(rows, root, study, command, n_seeds, lengths=None):
             log_z = mean_std([r["mean_log_z"] for r in last]) if last else "-"
             lines.append(f"| {name} | {logit} | {log_z} |")
     if any("induction_score" in r for row in rows.values() for run in row["evals"] for r in run):
-        lines += ["", "Heads (train.py --log_heads, the repeated random-token probe; mean over seeds): the best "
-                  "induction score at the last evaluation and its largest jump between two evaluations, the "
-                  "in-context score (second copy's loss - first's, nats):", "",
-                  "| variant | induction, last | largest rise (at step) | in-context, last | in-context, lowest |",
-                  "| --- | --- | --- | --- | --- |"]
-        for name, row in rows.items():
-            runs_ = [[r for r in run if r.get("induction_score") is not None] for run in row["evals"]]
-            runs_ = [run for run in runs_ if run]
-            if not runs_:
-                lines.append(f"| {name} | - | - | - | - |")
-                continue
-            rises = [max(zip(run[1:], run), key=lambda p: p[0]["induction_score"] - p[1]["induction_score"])
-                     for run in runs_ if len(run) > 1]
-            rise = (f"{statistics.mean(a['induction_score'] - b['induction_score'] for a, b in rises):+.3f} "
-                    f"({', '.join(str(a['iter']) for a, _ in rises)})") if rises else "-"
-            lines.append(f"| {name} | {mean_std([run[-1]['induction_score'] for run in runs_])} | {rise} | "
-                         f"{mean_std([run[-1]['icl_score'] for run in runs_])} | "
-                         f"{mean_std([min(r['icl_score'] for r in run) for run in runs_])} |")
+        lines += heads_table(rows)
     if lengths:
         lines += write_length_table(lengths, study["eval_lengths"])
     text = "\n".join(lines) + "\n"
     with open(os.path.join(root, "results.md"), "w") as f:
         f.write(text)
     return text
+
+
+def heads_table(rows):
+    """Lines of the heads table (runs with train.py --log_heads): per variant, over its seeds, the best
+    induction score at the last evaluation, its largest rise between two evaluations (and where), and the
+    in-context score at the end and at its lowest."""
+    lines = ["", "Heads (train.py --log_heads, the repeated random-token probe; mean over seeds): the best "
+             "induction score at the last evaluation and its largest jump between two evaluations, the "
+             "in-context score (second copy's loss - first's, nats):", "",
+             "| variant | induction, last | largest rise (at step) | in-context, last | in-context, lowest |",
+             "| --- | --- | --- | --- | --- |"]
+    for name, row in rows.items():
+        scored = [[r for r in run if r.get("induction_score") is not None] for run in row["evals"]]
+        scored = [run for run in scored if run]
+        if not scored:
+            lines.append(f"| {name} | - | - | - | - |")
+            continue
+        rises = [max(zip(run[1:], run), key=lambda pair: pair[0]["induction_score"] - pair[1]["induction_score"])
+                 for run in scored if len(run) > 1]
+        rise = (f"{statistics.mean(a['induction_score'] - b['induction_score'] for a, b in rises):+.3f} "
+                f"({', '.join(str(a['iter']) for a, _ in rises)})") if rises else "-"
+        lines.append(f"| {name} | {mean_std([run[-1]['induction_score'] for run in scored])} | {rise} | "
+                     f"{mean_std([run[-1]['icl_score'] for run in scored])} | "
+                     f"{mean_std([min(r['icl_score'] for r in run) for run in scored])} |")
+    return lines
 
 
 def plot(rows, root, title):
@@ -373,9 +381,9 @@ def run_study(argv):
     path = files[0]
     runs, study = load_study(path, overrides, c.seeds, c.quick)
     name = os.path.splitext(os.path.basename(path))[0]
-    shrunk = (["--quick=True"] if c.quick else []) + [f"--{k}={v}" for k, v in overrides.items()] + (
-        [f"--seeds={c.seeds}"] if c.seeds else [])
-    suffix = "".join("-" + re.sub(r"[^A-Za-z0-9_.]+", "", arg) for arg in shrunk).replace("-quickTrue", "-quick")
+    keys = [f"--{k}={v}" for k, v in overrides.items()] + ([f"--seeds={c.seeds}"] if c.seeds else [])
+    suffix = ("-quick" if c.quick else "") + "".join("-" + re.sub(r"[^A-Za-z0-9_.]+", "", arg) for arg in keys)
+    shrunk = (["--quick=True"] if c.quick else []) + keys
     root = c.out_dir or os.path.join("out-ablations", name + suffix)
     study["title"] = study.get("title", name) + (f" [shrunk: {' '.join(shrunk)}; figures not the study's]" if shrunk else "")
     for i, (variant, seed, values, explicit) in enumerate(runs):

@@ -297,7 +297,7 @@ class HFTokenizer:
             return {"kind": "char", "chars": "".join(chars)}
         if type(self.tok.model).__name__ == "BPE" and vocab.get(EOT) == 0:  # an export of our own BPE
             return BPETokenizer(self.tok.to_str()).meta()
-        if self.vocab_size == 50257 and vocab.get("<|endoftext|>") == 50256:
+        if self.vocab_size == 50257 and vocab.get(EOT) == 50256:
             try:
                 gpt2 = TiktokenTokenizer("gpt2")
                 if all(self.encode(t) == gpt2.encode(t) for t in PROBES):

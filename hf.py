@@ -384,10 +384,10 @@ def save_tokenizer(meta, directory, max_length):
         tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
-        tokenizer.add_special_tokens(["<|endoftext|>"])  # id 50256, after the 50,256 BPE tokens
-        config.update(bos_token="<|endoftext|>", eos_token="<|endoftext|>", unk_token="<|endoftext|>")
+        tokenizer.add_special_tokens([EOT])  # id 50256, after the 50,256 BPE tokens
+        config.update(bos_token=EOT, eos_token=EOT, unk_token=EOT)
         with open(os.path.join(directory, "vocab.json"), "w") as f:
-            json.dump(vocab | {"<|endoftext|>": encoding.eot_token}, f, ensure_ascii=False)
+            json.dump(vocab | {EOT: encoding.eot_token}, f, ensure_ascii=False)
         with open(os.path.join(directory, "merges.txt"), "w") as f:
             f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
         what = "GPT-2's BPE (tokenizer.json, vocab.json, merges.txt)"

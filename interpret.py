@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from checkpoint import load_any
 from configurator import ConfigError, cli_main, parse_config
 from dataset import write_json
-from model import CausalSelfAttention, LinearAttention, attention_scores
+from model import LinearAttention, attention_scores
 
 
 @dataclass
@@ -70,7 +70,7 @@ def recording(model, weights=True):
     originals = []
     for i, block in enumerate(model.blocks):
         attn = block.attn
-        if isinstance(attn, LinearAttention) or not isinstance(attn, CausalSelfAttention):
+        if isinstance(attn, LinearAttention):  # no softmax weights
             continue
 
         def attend(q, k, v, mask, dropout_p=0.0, i=i, original=attn.attend):
@@ -249,8 +249,7 @@ def draw(maps, labels, path, layer=None, head=None):
         fig.colorbar(image, ax=axes[0][0], fraction=0.046, pad=0.04)
     fig.suptitle("attention weights (rows: queries, columns: the keys they read; grey: hidden by the mask)",
                  fontsize=10 if single else 9)
-    path = save(plt, fig, path)
-    return path
+    return save(plt, fig, path)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -81,7 +81,7 @@ def draw(runs, path):
         (axes[1, 1], "steps", "iter", "grad_norm", "step", "gradient norm (before clipping)", True),
         (axes[1, 2], "steps", "iter", "tokens_per_sec", "step", "tokens/s", False),
     ]
-    if heads:  # the loss again, beside the heads' scores: a phase change shows in all three at once
+    if heads:  # under the loss panels: a phase change shows in the loss and these scores at the same steps
         panels += [
             (axes[2, 0], "evals", "iter", "induction_score", "step", "best induction score (probe)", False),
             (axes[2, 1], "evals", "iter", "icl_score", "step", "in-context score (2nd - 1st copy, nats)", False),

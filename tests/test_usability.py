@@ -188,6 +188,18 @@ def greedy_sample(*args):
     return result.stdout.split("\n---------------\n")[0]
 
 
+def assert_export_scores_as_run(tmp_path, hf_dir, run, source):
+    """eval.py on the export and on the run it came from, over source (--text=... or --dataset=...): the
+    same bytes, and bits per byte equal to 1e-5."""
+    scored = {}
+    for name, model in (("export", f"--init_from={hf_dir}"), ("run", f"--out_dir={run}")):
+        result = run_main("eval.py", model, source, "--device=cpu", "--dtype=float32", f"--json={tmp_path / name}.json")
+        assert result.returncode == 0, result.stderr
+        scored[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert scored["export"]["bits_per_byte"] == pytest.approx(scored["run"]["bits_per_byte"], rel=1e-5)
+    assert scored["export"]["bytes"] == scored["run"]["bytes"] > 0
+
+
 @pytest.mark.slow
 def test_export_round_trip_gpt2_bpe(tmp_path):
     """GPT-2-shaped BPE model -> export.py -> transformers' AutoTokenizer + AutoModelForCausalLM: the same
@@ -213,13 +225,7 @@ def test_export_round_trip_gpt2_bpe(tmp_path):
     assert greedy_sample(f"--init_from={hf_dir}") == ours
     text = tmp_path / "text.txt"
     text.write_text(make_text(2_000, seed=3))
-    scored = {}
-    for name, source in (("export", f"--init_from={hf_dir}"), ("run", f"--out_dir={out}")):
-        result = run_main("eval.py", source, f"--text={text}", "--device=cpu", "--dtype=float32", f"--json={tmp_path / name}.json")
-        assert result.returncode == 0, result.stderr
-        scored[name] = json.loads((tmp_path / f"{name}.json").read_text())
-    assert scored["export"]["bits_per_byte"] == pytest.approx(scored["run"]["bits_per_byte"], rel=1e-5)
-    assert scored["export"]["bytes"] == scored["run"]["bytes"] > 0
+    assert_export_scores_as_run(tmp_path, hf_dir, out, f"--text={text}")
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
@@ -255,14 +261,7 @@ def test_export_of_a_character_model_has_a_tokenizer_transformers_loads(tmp_path
             "error: characters not in the vocabulary: '¿'; a character-level model knows only the "
             f"{ours.vocab_size} characters of its training text"], refused.stderr
     # bits per byte of the export on the run's own dataset: the checkpoint's figure (it was refused)
-    scored = {}
-    for name, source in (("export", f"--init_from={hf_dir}"), ("run", f"--out_dir={trained_run}")):
-        result = run_main("eval.py", source, f"--dataset={char_dataset}", "--device=cpu", "--dtype=float32",
-                            f"--json={tmp_path / name}.json")
-        assert result.returncode == 0, result.stderr
-        scored[name] = json.loads((tmp_path / f"{name}.json").read_text())
-    assert scored["export"]["bits_per_byte"] == pytest.approx(scored["run"]["bits_per_byte"], rel=1e-5)
-    assert scored["export"]["bytes"] == scored["run"]["bytes"] > 0
+    assert_export_scores_as_run(tmp_path, hf_dir, trained_run, f"--dataset={char_dataset}")
 
 
 def test_own_bpe_end_to_end(tmp_path, bpe_run):
@@ -295,14 +294,7 @@ def test_own_bpe_end_to_end(tmp_path, bpe_run):
     config = json.loads((hf_dir / "config.json").read_text())
     assert config["eos_token_id"] == config["bos_token_id"] == ours.eot_token == 0
     assert greedy_sample(f"--init_from={hf_dir}") == greedy_sample(f"--out_dir={run}") != ""
-    scored = {}
-    for name, source in (("export", f"--init_from={hf_dir}"), ("run", f"--out_dir={run}")):
-        result = run_main("eval.py", source, f"--dataset={data}", "--device=cpu", "--dtype=float32",
-                          f"--json={tmp_path / name}.json")
-        assert result.returncode == 0, result.stderr
-        scored[name] = json.loads((tmp_path / f"{name}.json").read_text())
-    assert scored["export"]["bits_per_byte"] == pytest.approx(scored["run"]["bits_per_byte"], rel=1e-5)
-    assert scored["export"]["bytes"] == scored["run"]["bytes"] > 0
+    assert_export_scores_as_run(tmp_path, hf_dir, run, f"--dataset={data}")
 
 
 def test_plot_draws_one_png_of_several_runs(tmp_path, trained_run):
