@@ -7,8 +7,12 @@ compare the two.
 
 The scenario: a 2-layer character model trained 120 steps on generated verse (fp32, CPU, dropout 0.1),
 then sample.py with a fixed seed from its checkpoint with fp32, bf16 and int8 weights, and speculative
-decoding (greedy and sampled) with prompt lookup and with a 1-layer draft trained 10 steps. Timing fields
-(elapsed, tokens/s, ms/step, MFU) differ between any two runs and are left out.
+decoding (greedy and sampled) with prompt lookup and with a 1-layer draft trained 10 steps. Two more
+models cover the other kinds of attention: a sliding-window + linear one (SR, RoPE: its caches are bounded,
+so its 60-token samples run past block_size=32 through them) trained 40 steps and sampled with the three
+weight formats, and a window + full one (SL) trained 20 steps, sampled and decoded speculatively with both
+drafts (its window cache rolls back). Timing fields (elapsed, tokens/s, ms/step, MFU) differ between any
+two runs and are left out.
 """
 
 import difflib
@@ -27,6 +31,8 @@ TRAIN = ["--max_iters=120", "--dropout=0.1", "--n_layer=2", "--n_head=2", "--n_e
          "--learning_rate=3e-3", "--min_lr=3e-4", "--dtype=float32", "--device=cpu"]  # fmt: skip
 WEIGHTS = ("float32", "bfloat16", "int8")
 DRAFTS = ("ngram", "model")
+KINDS = {"window_linear": ["--attn_pattern=SR", "--attn_window=8", "--pos_emb=rope", "--max_iters=40"],
+         "window_full": ["--attn_pattern=SL", "--attn_window=8", "--max_iters=20"]}  # fmt: skip
 HELP = ("train.py", "sample.py", "bench.py", "export.py", "eval.py", "ablate.py", "plot.py")
 
 
@@ -71,6 +77,14 @@ def record(out):
     texts = {w: run("sample.py", *common, f"--{key}={w}") for w in WEIGHTS}
     speculative = {f"{d} t={t}": run("sample.py", *common, f"--draft={draft_dir if d == 'model' else d}",
                                      f"--temperature={t}") for d in DRAFTS for t in (0, 0.8)}
+    for name, keys in KINDS.items():
+        kind_dir = os.path.join(out, name)
+        run("train.py", *TRAIN, *keys, f"--dataset={data}", f"--out_dir={kind_dir}", "--overwrite=True")
+        kind_common = (f"--out_dir={kind_dir}", *common[1:])
+        texts.update({f"{name} {w}": run("sample.py", *kind_common, f"--{key}={w}") for w in WEIGHTS})
+        if name == "window_full":  # linear layers cannot roll back, so only this one decodes speculatively
+            speculative.update({f"{name} {d} t={t}": run("sample.py", *kind_common, f"--draft={draft_dir if d == 'model' else d}",
+                                                         f"--temperature={t}") for d in DRAFTS for t in (0, 0.8)})
     helps = {script: run(script, "--help") for script in HELP}
     with open(os.path.join(out, "texts.json"), "w") as f:
         json.dump({"samples": texts, "speculative": speculative, "help": helps}, f, indent=1)
@@ -79,27 +93,31 @@ def record(out):
 
 def compare(old, new):
     problems = []
-    metrics = []
-    for d in (old, new):
-        with open(os.path.join(d, "run", "metrics.jsonl")) as f:
-            metrics.append([{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f])
-    added = sorted({k for record in metrics[1] for k in record} - {k for record in metrics[0] for k in record})
-    if added:
-        print(f"new metrics.jsonl keys (not compared): {', '.join(added)}")
-    if len(metrics[0]) != len(metrics[1]) or any(a != {k: b[k] for k in a if k in b} or a.keys() - b.keys()
-                                                 for a, b in zip(*metrics)):
-        problems.append("metrics.jsonl differs")
-    weights = [torch.load(os.path.join(d, "run", "ckpt.pt"), weights_only=True)["model"] for d in (old, new)]
-    if weights[0].keys() != weights[1].keys():
-        problems.append("checkpoint weights have other names")
-    else:
-        problems += [f"weight {k} differs" for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])]
+    runs = ["run"] + [name for name in KINDS if os.path.isdir(os.path.join(old, name))]
+    n_metrics = n_weights = 0
+    for name in runs:
+        metrics = []
+        for d in (old, new):
+            with open(os.path.join(d, name, "metrics.jsonl")) as f:
+                metrics.append([{k: v for k, v in json.loads(line).items() if k not in TIMING} for line in f])
+        added = sorted({k for record in metrics[1] for k in record} - {k for record in metrics[0] for k in record})
+        if added:
+            print(f"new metrics.jsonl keys in {name} (not compared): {', '.join(added)}")
+        if len(metrics[0]) != len(metrics[1]) or any(a != {k: b[k] for k in a if k in b} or a.keys() - b.keys()
+                                                     for a, b in zip(*metrics)):
+            problems.append(f"{name}/metrics.jsonl differs")
+        weights = [torch.load(os.path.join(d, name, "ckpt.pt"), weights_only=True)["model"] for d in (old, new)]
+        if weights[0].keys() != weights[1].keys():
+            problems.append(f"{name}: checkpoint weights have other names")
+        else:
+            problems += [f"{name}: weight {k} differs" for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])]
+        n_metrics, n_weights = n_metrics + len(metrics[0]), n_weights + len(weights[0])
     texts = []
     for d in (old, new):
         with open(os.path.join(d, "texts.json")) as f:
             texts.append(json.load(f))
-    problems += [f"sample text with {w} weights differs" for w in WEIGHTS
-                 if texts[0]["samples"][w] != texts[1]["samples"][w]]
+    problems += [f"sample text ({name}) differs" for name in texts[0]["samples"]
+                 if texts[0]["samples"][name] != texts[1]["samples"].get(name)]
     problems += [f"speculative sample text ({name}) differs" for name in texts[0].get("speculative", {})
                  if texts[0]["speculative"][name] != texts[1]["speculative"].get(name)]
     for script in texts[0]["help"]:
@@ -108,7 +126,7 @@ def compare(old, new):
         if diff:
             print("\n".join(diff))
     n_texts = len(texts[0]["samples"]) + len(texts[0].get("speculative", {}))
-    print(f"{len(metrics[0])} metrics lines, {len(weights[0])} weight tensors, {n_texts} sample texts compared")
+    print(f"{n_metrics} metrics lines, {n_weights} weight tensors ({', '.join(runs)}), {n_texts} sample texts compared")
     if problems:
         sys.exit("BEHAVIOUR CHANGED: " + "; ".join(problems))
     print("same behaviour: weights and losses bit for bit, sample texts identical (help diffs above, if any)")
