@@ -25,11 +25,14 @@ from typing import Optional
 
 import torch
 
+import attention
+import generate
 import speculative
 from checkpoint import load_any
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import write_json
-from model import MODEL_CHOICES, GPT, ModelKeys, Sampling, lm_loss, model_config
+from generate import Sampling
+from model import MODEL_CHOICES, MODEL_HELPS, GPT, ModelKeys, lm_loss, model_config
 from optim import OPTIMIZERS, build_optimizers
 from quantize import ROW_PRODUCTS, WEIGHTS_DTYPES, Int8Linear, RowLinear, for_inference, row_product_choices
 from device import COMPUTE_DTYPES, DEVICES, autocast, cpu_facts, cuda_peak_flops, estimate_mfu, pick_device, pick_dtype, precision
@@ -68,7 +71,7 @@ GREEDY = Sampling(temperature=0)
 
 
 def config_keys():
-    return keys_of(BenchConfig, BENCH_CHOICES, base=ModelKeys)
+    return keys_of(BenchConfig, BENCH_CHOICES, helps=MODEL_HELPS, base=ModelKeys)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -222,8 +225,7 @@ def bench_train(model, c, device, dtype):
     elif c.compare == "adamw":  # the same model, autocast and compile, AdamW for every parameter
         steps["adamw"] = OurTrainStep(copy.deepcopy(model), replace(c, optimizer="adamw"), device, dtype)
     for pattern in filter(None, c.compare_patterns.split(",")):  # the same shape, other attention per layer
-        window = config.attn_window if "S" in pattern else None
-        other = checked(GPT, checked(replace, config, attn_pattern=pattern, attn_window=window)).to(device)
+        other = checked(GPT, checked(attention.with_pattern, config, pattern)).to(device)
         steps[pattern] = OurTrainStep(other, c, device, dtype)
     compile_seconds = seconds(lambda: steps["ours"](x, y), device) if c.compile else None
     for step in steps.values():
@@ -264,9 +266,8 @@ def bench_train(model, c, device, dtype):
 
 def decode_step_timer(model, context, device, n=20):
     """(fn, bytes): fn() -> seconds per decode step with `context` tokens cached (the cache as generate()
-    uses it), and the bytes the cache holds there. Each call times the same n positions: a full-attention
-    cache is rewound to `context` first; windows and linear states, which cannot roll back that far, are
-    copied from the state at `context` (the copy is not timed)."""
+    uses it), and the bytes the cache holds there. Each call times the same n positions from a copy of the
+    cache at `context` (not timed: windows and linear states cannot roll back that far)."""
     config = model.config
     if config.context_limit is not None and context + n > config.context_limit:
         raise ConfigError(f"contexts: {context} + {n} steps exceeds block_size={config.block_size}")
@@ -275,10 +276,9 @@ def decode_step_timer(model, context, device, n=20):
     token = prompt[:, -1:]
     cache = model.new_cache()
     with torch.no_grad():  # the prompt (block_size tokens at a time past block_size), its last token decoded
-        model.next_logits(prompt, context - 1, cache)
+        generate.next_logits(model, prompt, context - 1, cache)
         model.forward_cached(token, cache)
     held = cache.nbytes()
-    rewinds = set(config.layer_kinds) == {"L"}
 
     @torch.no_grad()
     def steps(cache):
@@ -286,9 +286,6 @@ def decode_step_timer(model, context, device, n=20):
             model.forward_cached(token, cache).argmax(-1)
 
     def timed():
-        if rewinds:
-            cache.rewind(context)  # the positions after it are overwritten, as on the first call
-            return seconds(lambda: steps(cache), device) / n
         fresh = copy.deepcopy(cache)
         return seconds(lambda: steps(fresh), device) / n
 
@@ -318,13 +315,13 @@ def bench_sample(model, tokenizer, c, device):
     P, N = c.prompt_len, c.new_tokens
     if config.context_limit is not None and P + N > config.block_size:
         raise ConfigError(f"prompt_len + new_tokens = {P + N} exceeds block_size={config.block_size}; "
-                          "beyond it every step recomputes the window (see model.generate)")
+                          "beyond it every step recomputes the window (see generate.next_logits)")
     prompt = make_prompt(c, config, tokenizer, device)
     if c.draft:
         return bench_speculative(model, twin, tokenizer, prompt, c, device)
     runs = {
-        "prefill": lambda: model.next_logits(prompt, P, model.new_cache()),
-        "ours": lambda: model.generate(prompt, N, GREEDY),
+        "prefill": lambda: generate.next_logits(model, prompt, P, model.new_cache()),
+        "ours": lambda: generate.generate(model, prompt, N, GREEDY),
     }
     if c.compare == "row_products":
         rows = [m for m in model.modules() if isinstance(m, RowLinear)]
@@ -335,7 +332,7 @@ def bench_sample(model, tokenizer, c, device):
             def run():
                 for m in rows:
                     m.product = name
-                return model.generate(prompt, N, GREEDY)
+                return generate.generate(model, prompt, N, GREEDY)
             return run
 
         chosen = rows[0].product  # "ours" below: its times are the chosen product's
@@ -405,7 +402,7 @@ def bench_speculative(model, twin, tokenizer, prompt, c, device):
         draft_twin = hf_twin(draft.model.to(device), c.hf_dtype).eval() if twin is not None else None
         draft.for_inference(device, c.weights_dtype)
     runs = {
-        "ours": lambda: model.generate(prompt, N, GREEDY),
+        "ours": lambda: generate.generate(model, prompt, N, GREEDY),
         "ours_speculative": lambda: speculative.generate(model, prompt, N, GREEDY, draft),
     }
     if twin is not None:

@@ -16,7 +16,7 @@ import pickle
 import socket
 import time
 import zipfile
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Optional
 
 import torch
@@ -70,6 +70,59 @@ def load_checkpoint(path, map_location="cpu", mmap=False):
     if not isinstance(state, dict) or state.get("format") != FORMAT or "model" not in state:
         raise CheckpointError(f"{path}: not a checkpoint written by train.py (format {FORMAT})")
     return state
+
+
+class RunState:
+    """Where a training run stands, and its checkpoint: save() writes and restore() reads the keys side by
+    side, once. Beside the weights, the optimizers' and loss scaler's state, both configs (the model's and
+    the training's, as they ran) and the tokenizer: the step, the best val loss, the step last evaluated,
+    the batch sampler's position, every process's RNG, how much of metrics.jsonl belongs to the checkpoint
+    and the wall time so far. run: train.py's Run (its model, optimizers, scaler, sampler, process group)."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.iter_num, self.best_val, self.evaluated_at = 0, float("inf"), -1
+        self.metrics_bytes, self.elapsed_before, self.rng_processes = None, 0.0, None
+
+    def elapsed(self):
+        return self.elapsed_before + time.perf_counter() - self.started
+
+    def restore(self, ckpt, run):
+        # imported here, as in save(): 0.65 s that --help and a refused configuration need not wait for
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(run.raw_model, run.optimizers, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
+        if ckpt["scaler"]:
+            run.scaler.load_state_dict(ckpt["scaler"])
+        run.train_batches.load_state_dict(ckpt["sampler"])
+        rng = ckpt["rng"]
+        self.rng_processes = len(rng["cpu"])
+        if self.rng_processes == run.world.size:
+            torch.set_rng_state(rng["cpu"][run.world.rank])
+            if run.device_type == "cuda" and rng["cuda"][run.world.rank] is not None:
+                torch.cuda.set_rng_state(rng["cuda"][run.world.rank])
+        self.iter_num, self.best_val, self.evaluated_at = ckpt["iter_num"], ckpt["best_val_loss"], ckpt["evaluated_at"]
+        self.metrics_bytes, self.elapsed_before = ckpt["metrics_bytes"], ckpt["elapsed"]
+
+    def save(self, run, path, logger):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optim_state = get_state_dict(run.raw_model, run.optimizers, options=options)
+        cuda = run.device_type == "cuda"
+        rng = run.world.gather((torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None))
+        if not run.world.master:
+            return
+        state = {
+            "format": FORMAT, "model": model_state, "optimizer": optim_state,
+            "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
+            "model_config": asdict(run.model_config), "train_config": asdict(run.train_config),
+            "tokenizer": run.data_meta["tokenizer"], "iter_num": self.iter_num, "best_val_loss": self.best_val,
+            "evaluated_at": self.evaluated_at, "sampler": run.train_batches.state_dict(),
+            "rng": {"cpu": [r[0] for r in rng], "cuda": [r[1] for r in rng]},
+            "metrics_bytes": logger.durable_size(), "elapsed": self.elapsed(),
+        }  # fmt: skip
+        save_checkpoint(path, state)
 
 
 def model_from_checkpoint(state, path):

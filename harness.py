@@ -12,7 +12,7 @@ The rules we follow are the hf backend's, request by request:
 - loglikelihood_rolling: lm-eval's disjoint rolling windows of block_size, the first conditioned on the
   prefix token, summed.
 - generate_until: the context cut from the left to block_size - max_gen_toks, greedy (or sampled, with
-  do_sample) through model.stream with the KV cache, stopped at the first stop string or the
+  do_sample) through generate.stream with the KV cache, stopped at the first stop string or the
   end-of-text token, and cut at the first stop string.
 """
 
@@ -27,7 +27,7 @@ from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 
 from configurator import ConfigError, checked
-from model import Sampling
+from generate import Sampling, stream
 
 
 class GPTHarness(TemplateLM):
@@ -133,7 +133,7 @@ class GPTHarness(TemplateLM):
         new = []
         with self.context:
             sampling = checked(Sampling, temperature, kwargs.get("top_k"), kwargs.get("top_p"))
-            for column in self.model.stream(torch.tensor([ids], device=self._device), max_gen_toks, sampling,
+            for column in stream(self.model, torch.tensor([ids], device=self._device), max_gen_toks, sampling,
                                             eos_token_id=self.eot_token_id):
                 token = int(column[0, 0])
                 if token == self.eot_token_id:

@@ -12,6 +12,7 @@ import torch
 
 from configurator import UserError
 from dataset import EOT, DataError, HFTokenizer, TiktokenTokenizer, describe_meta
+import attention
 from model import GPTConfig
 
 
@@ -126,13 +127,14 @@ def load_hf_state_dict(directory):
 def family(config):
     """'gpt2', 'llama' or 'mistral': the transformers architecture with this config's computation, or None."""
     c = config
-    if c.norm_placement != "pre" or c.attn_pattern not in ("L", "S"):
+    exported = {kind.exports_as for kind in attention.kinds_of(c).values()}  # every layer one kind transformers has
+    if c.norm_placement != "pre" or exported not in ({"full"}, {"window"}):
         return None
     if (c.pos_emb == "learned" and c.norm == "layernorm" and c.mlp == "gelu" and not c.qk_norm
-            and c.n_kv_head == c.n_head and c.attn_pattern == "L"):  # fmt: skip
+            and c.n_kv_head == c.n_head and exported == {"full"}):  # fmt: skip
         return "gpt2"
     if c.pos_emb == "rope" and c.norm == "rmsnorm" and c.mlp == "swiglu" and not c.bias and not c.qk_norm:
-        return "mistral" if c.attn_pattern == "S" else "llama"
+        return "mistral" if exported == {"window"} else "llama"
     return None
 
 
@@ -317,7 +319,7 @@ def mistral_config(hf, directory):
     """Mistral is Llama whose every layer attends over the last sliding_window tokens (None: all of them)."""
     config = llama_config(hf, directory)
     window = hf.get("sliding_window")
-    return replace(config, attn_pattern="S", attn_window=window) if window else config
+    return replace(config, attn_pattern=attention.SlidingWindowAttention.letter, attn_window=window) if window else config
 
 
 def mistral_hf_config(config):

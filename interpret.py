@@ -32,10 +32,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from attention import attention_scores
 from checkpoint import load_any
 from configurator import ConfigError, cli_main, parse_config
 from dataset import write_json
-from model import LinearAttention, attention_scores
 
 
 @dataclass
@@ -63,14 +63,14 @@ def recording(model, weights=True):
     """Within it, each forward of model records, per softmax attention layer, its attention weights
     (B, H, T, keys), the keys its mask hid (True) and its largest visible score, into the yielded list (one
     entry per layer; None for linear-attention layers). The weights are the explicit path's (the reference
-    SDPA is tested against: model.attention_explicit, step for step), and they also make the layer's
+    SDPA is tested against: attention.attention_explicit, step for step), and they also make the layer's
     output, so they are what the model computed. weights=False records the largest score alone and leaves
     the layer's own path (SDPA) to compute: train.py's log_stability."""
     records = [None] * len(model.blocks)
     originals = []
     for i, block in enumerate(model.blocks):
         attn = block.attn
-        if isinstance(attn, LinearAttention):  # no softmax weights
+        if not attn.softmax:  # e.g. linear attention: nothing to record
             continue
 
         def attend(q, k, v, mask, dropout_p=0.0, i=i, original=attn.attend):

@@ -16,15 +16,14 @@ from typing import Optional
 
 import torch
 
+import generate
 import speculative
 from checkpoint import ContextKeys, load_for
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
-from dataset import DataError, continuation
+from dataset import EOT, DataError, continuation
 from device import DEVICES, pick_device, precision
-from model import Sampling, check_max_new_tokens
+from generate import Sampling, check_max_new_tokens
 from quantize import WEIGHTS_DTYPES, for_inference
-
-END_OF_TEXT = "<|endoftext|>"
 
 
 @dataclass
@@ -93,9 +92,9 @@ def stop_token(tokenizer, stop):
     """The token id that ends generation early, when the stop string is one token."""
     if stop is None:
         return None
-    if stop == END_OF_TEXT:
+    if stop == EOT:
         if tokenizer.eot_token is None:
-            raise ConfigError(f"stop={END_OF_TEXT}: this tokenizer has no end-of-text token")
+            raise ConfigError(f"stop={EOT}: this tokenizer has no end-of-text token")
         return tokenizer.eot_token
     try:
         ids = tokenizer.encode(stop)
@@ -105,14 +104,14 @@ def stop_token(tokenizer, stop):
 
 
 def cut_at_stop(text, stop):
-    if stop is None or stop == END_OF_TEXT:
+    if stop is None or stop == EOT:
         return text
     at = text.find(stop)
     return text if at < 0 else text[:at]
 
 
 def decode(tokenizer, prompt_ids, ids, stop):
-    if stop == END_OF_TEXT and tokenizer.eot_token in ids:
+    if stop == EOT and tokenizer.eot_token in ids:
         ids = ids[: ids.index(tokenizer.eot_token)]
     return cut_at_stop(continuation(tokenizer, prompt_ids, ids), stop)
 
@@ -134,7 +133,7 @@ def generate_texts(model, tokenizer, prompt, c, device, draft=None):
     eos = stop_token(tokenizer, c.stop)
     log_precision(c, device)
     if draft is None:
-        out = model.generate(idx, c.max_new_tokens, sampling_of(c), eos, generator=generators)
+        out = generate.generate(model, idx, c.max_new_tokens, sampling_of(c), eos, generator=generators)
     else:
         out = speculative.generate(model, idx, c.max_new_tokens, sampling_of(c), draft, eos, generators)
     return [decode(tokenizer, ids, row[len(ids) :].tolist(), c.stop) for row in out]
@@ -148,13 +147,13 @@ def stream_text(model, tokenizer, prompt, c, device, write, draft=None):
     idx = torch.tensor([ids], dtype=torch.long, device=device)
     generator = [torch.Generator(device=device).manual_seed(c.seed)]
     stop = c.stop
-    hold = 0 if stop in (None, END_OF_TEXT) else len(stop) - 1
+    hold = 0 if stop in (None, EOT) else len(stop) - 1
     new, shown = [], ""
     eos = stop_token(tokenizer, stop)
     log_precision(c, device)
     write(prompt)  # as batch mode prints it: the prompt, then the sample
     if draft is None:
-        columns = model.stream(idx, c.max_new_tokens, sampling_of(c), eos, generator=generator)
+        columns = generate.stream(model, idx, c.max_new_tokens, sampling_of(c), eos, generator=generator)
     else:
         columns = speculative.stream(model, idx, c.max_new_tokens, sampling_of(c), draft, eos, generator)
     for column in columns:

@@ -35,10 +35,9 @@ from checkpoint import ContextKeys, load_for
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import DataError, continuation
 from device import DEVICES, pick_device, precision
-from model import Sampling, sample_next
+from generate import Sampling, sample_next
 from quantize import WEIGHTS_DTYPES, for_inference
 
-END_OF_TEXT = "<|endoftext|>"
 MAX_BODY_BYTES = 1 << 20  # a request larger than 1 MB is refused (413) before it is parsed
 MAX_LOGPROBS = 20
 

@@ -7,13 +7,15 @@ distributed exactly as the target's own samples (and equals its greedy output at
   draft = load_draft("out-small", num_draft=2)   a smaller model over the same tokenizer (a run or HF)
   tokens = generate(model, idx, 200, Sampling(temperature=0), draft)
 
-model.stream knows a draft only as a step that may return several tokens (Draft.step); everything else
+generate.stream knows a draft only as a step that may return several tokens (Draft.step); everything else
 about drafts is here: their proposals, the acceptance rule, the roll-back of the cache, their statistics.
 """
 
 import torch
 import torch.nn.functional as F
 
+import attention
+import generate as decoding  # this module's generate and stream wrap its own
 from checkpoint import load_any
 from configurator import ConfigError
 from dataset import describe_tokenizer, same_tokenizer
@@ -67,13 +69,13 @@ class Draft:
 
     def check(self, config, tokenizer=None):
         """A ConfigError when this draft cannot serve a target of this config (and tokenizer)."""
-        refuse_linear_layers(config, "the target")
+        refuse_caches_that_cannot_rewind(config, "the target")
 
     def for_inference(self, device, weights_dtype):
         return self
 
     def step(self, model, seq, length, end, cache, sampling, generator):
-        """model.stream's step: the draft proposes k tokens after seq[:, :length] (fewer near end or
+        """generate.stream's step: the draft proposes k tokens after seq[:, :length] (fewer near end or
         block_size), one forward of model over the cache scores them and one position more, accept_drafts
         keeps a prefix and adds a token of model's, and the cache rolls back to what was kept. Returns the
         new tokens (1, n), or None where there is nothing to propose (an ordinary step then)."""
@@ -128,7 +130,7 @@ class ModelDraft(Draft):
 
     def check(self, config, tokenizer=None):
         super().check(config, tokenizer)
-        refuse_linear_layers(self.model.config, "the draft")
+        refuse_caches_that_cannot_rewind(self.model.config, "the draft")
         if tokenizer is not None and self.tokenizer is not None and not same_tokenizer(tokenizer, self.tokenizer):
             whose = f"draft={self.name}: its" if self.name else "the draft's"
             raise ConfigError(f"{whose} tokenizer ({describe_tokenizer(self.tokenizer)}) is not the target's "
@@ -156,7 +158,7 @@ class ModelDraft(Draft):
         seq = torch.cat([seq, seq.new_empty(1, k)], dim=1)
         qs = []
         for length in range(L, L + k):
-            logits = model.next_logits(seq, length, self.cache)
+            logits = decoding.next_logits(model, seq, length, self.cache)
             if sampling.temperature == 0:
                 seq[0, length] = logits[0].argmax()
             else:
@@ -166,10 +168,13 @@ class ModelDraft(Draft):
         return seq[:, L:], torch.stack(qs) if qs else None
 
 
-def refuse_linear_layers(config, whose):
-    if "R" in config.layer_kinds:
-        raise ConfigError(f"{whose} has linear-attention layers (attn_pattern={config.attn_pattern!r}), whose "
-                          "state cannot roll back rejected drafts; speculative decoding needs softmax layers (L, S)")
+def refuse_caches_that_cannot_rewind(config, whose):
+    stuck = [letter for letter, kind in attention.kinds_of(config).items() if not kind.Cache.rewinds]
+    if stuck:
+        able = ", ".join(letter for letter, kind in attention.KINDS.items() if kind.Cache.rewinds)
+        raise ConfigError(f"{whose} has {attention.named(stuck)} layers (attn_pattern={config.attn_pattern!r}), "
+                          f"whose cache cannot roll back rejected drafts; speculative decoding needs layers whose "
+                          f"cache can ({able})")
 
 
 def load_draft(spec, num_draft=None):
@@ -183,7 +188,7 @@ def load_draft(spec, num_draft=None):
 
 
 def stream(model, idx, max_new_tokens, sampling, draft, eos_token_id=None, generator=None):
-    """model.stream for one row with a draft (the same arguments; generator: one, or a list of one)."""
+    """generate.stream for one row with a draft (the same arguments; generator: one, or a list of one)."""
     if idx.size(0) != 1:
         raise ValueError("speculative decoding streams one row with the KV cache; generate() runs a batch row by row")
     draft.check(model.config)
@@ -192,7 +197,7 @@ def stream(model, idx, max_new_tokens, sampling, draft, eos_token_id=None, gener
     def step(seq, length, end, cache):
         return draft.step(model, seq, length, end, cache, sampling, one)
 
-    return model.stream(idx, max_new_tokens, sampling, eos_token_id, True, generator, step=step)
+    return decoding.stream(model, idx, max_new_tokens, sampling, eos_token_id, True, generator, step=step)
 
 
 def row_generator(generator, i):
@@ -202,7 +207,7 @@ def row_generator(generator, i):
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, sampling, draft, eos_token_id=None, generator=None):
-    """model.generate with a draft. Rows run one at a time, each through its own cache, since rows accept
+    """generate.generate with a draft. Rows run one at a time, each through its own cache, since rows accept
     different numbers of tokens per step; a row that stopped early is padded with eos_token_id."""
     rows = []
     for i in range(idx.size(0)):

@@ -21,14 +21,14 @@ from typing import Optional
 
 import torch
 
-from checkpoint import CHECKPOINT, METRICS, ContextKeys, RunLock, load_checkpoint, save_checkpoint, tokens_per_step
+from checkpoint import CHECKPOINT, METRICS, ContextKeys, RunLock, RunState, load_checkpoint, tokens_per_step
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import BatchSampler, DataError, describe_meta, open_split, read_meta, resolve_dataset, tokenizer_from_meta
 from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
 from device import autocast as autocast_for
 from hf import uses_gpt2_tokenizer
 from interpret import best, head_scores, recording
-from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, ModelKeys, lm_loss, model_config
+from model import MODEL_CHOICES, MODEL_HELPS, MODEL_KEYS, GPT, GPTConfig, ModelKeys, lm_loss, model_config
 from optim import OPTIMIZERS, build_optimizers, clip_gradients, get_lr
 
 @dataclass
@@ -80,7 +80,7 @@ VOCAB_HELP = "vocabulary size; default: the dataset's (pad it, e.g. to 50304, fo
 
 
 def config_keys():
-    return keys_of(TrainConfig, TRAIN_CHOICES, helps={"vocab_size": VOCAB_HELP}, base=ModelKeys,
+    return keys_of(TrainConfig, TRAIN_CHOICES, helps={**MODEL_HELPS, "vocab_size": VOCAB_HELP}, base=ModelKeys,
                    shown={"vocab_size": "dataset's"})
 
 
@@ -107,510 +107,6 @@ def check_config(c):
         raise ConfigError(f"beta1={c.beta1} and beta2={c.beta2} must be in [0, 1)")
 
 
-class NonFinite(RuntimeError):
-    pass
-
-
-# ----------------------------------------------------------------------------------------------------
-# Logging
-
-
-class Logger:
-    """Plain lines (or a tqdm bar on a terminal), metrics.jsonl with every value, wandb when asked.
-    Only rank 0 logs."""
-
-    def __init__(self, c, out_dir, start_iter, metrics_bytes, active):
-        self.active = active
-        self.bar = self.wandb = self.file = None
-        if not active:
-            return
-        if c.wandb_log:  # first: a wandb that cannot start must not cost the run its metrics file
-            import wandb
-
-            try:
-                self.wandb = wandb.init(project=c.wandb_project, name=c.wandb_run_name, config=asdict(c),
-                                        resume="allow")
-            except Exception as e:  # not logged in, no network, a bad project: wandb's own exception types
-                reason = (str(e).strip().splitlines() or [""])[0]
-                raise ConfigError(f"wandb_log=True but wandb could not start ({type(e).__name__}: {reason}); run "
-                                  "`wandb login`, or set WANDB_MODE=offline to log locally (wandb sync later)") from None
-        path = os.path.join(out_dir, METRICS)
-        if metrics_bytes is not None and os.path.exists(path):
-            with open(path, "r+b") as f:  # drop what the interrupted run logged after its checkpoint
-                f.truncate(metrics_bytes)
-        elif metrics_bytes is None and os.path.exists(path):
-            os.remove(path)
-        self.file = open(path, "a", buffering=1)  # line-buffered: `tail -f metrics.jsonl` follows the run
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=c.max_iters, initial=start_iter, dynamic_ncols=True)
-
-    def print(self, text):
-        if self.active:
-            (self.bar.write if self.bar else print)(text, flush=True)
-
-    def log(self, record, line):
-        if not self.active:
-            return
-        self.file.write(json.dumps(record) + "\n")
-        if self.bar:
-            self.bar.set_postfix_str(line, refresh=False)
-        else:
-            print(line, flush=True)
-        if self.wandb:
-            self.wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
-
-    def step(self):
-        if self.bar:
-            self.bar.update(1)
-
-    def durable_size(self):
-        """Flushes metrics.jsonl to disk and returns its size, which the checkpoint records."""
-        if not self.active:
-            return None
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        return self.file.tell()
-
-    def close(self):
-        if self.bar:
-            self.bar.close()
-        if self.file:
-            self.file.close()
-        if self.wandb:
-            self.wandb.finish()
-
-
-# ----------------------------------------------------------------------------------------------------
-
-
-def settle_config(c, explicit):
-    """The config that runs, and the checkpoint to resume (or None). A resumed run keeps its own config
-    apart from what the command line changes; a fresh one refuses an out_dir that holds a checkpoint.
-    Defaults the user did not set are fitted to a short run; what the user wrote is only checked."""
-    ckpt_path = os.path.join(c.out_dir, CHECKPOINT)
-    ckpt, notes = None, []
-    if c.init_from == "auto":  # what a restarted job runs: torchrun --max-restarts, a requeued SLURM job
-        found = os.path.exists(ckpt_path)
-        notes.append(f"init_from=auto: {'resuming ' + ckpt_path if found else 'no checkpoint in ' + c.out_dir + ', starting from scratch'}")
-        c = replace(c, init_from="resume" if found else "scratch")
-    if c.init_from == "resume":
-        ckpt = load_checkpoint(ckpt_path)
-        saved = {k: v for k, v in ckpt["train_config"].items() if k in TRAIN_KEYS}  # keys since removed are dropped
-        c = TrainConfig(**{**saved, **{k: getattr(c, k) for k in explicit}, "init_from": "resume"})
-    elif os.path.exists(ckpt_path) and not c.overwrite:
-        raise ConfigError(f"{ckpt_path} exists: continue it with --init_from=resume, or start over with "
-                          "--overwrite=True (or another --out_dir)")
-    else:
-        c = fit_defaults(c, explicit, notes)
-    check_config(c)
-    return c, ckpt, notes
-
-
-def fit_defaults(c, explicit, notes):
-    """c with the defaults the user did not set fitted to a short run (a note for each in notes)."""
-    if "warmup_iters" not in explicit and c.warmup_iters > c.max_iters:
-        fitted = c.max_iters // 10
-        notes.append(f"note: warmup_iters={c.warmup_iters} (the default) is longer than max_iters={c.max_iters}; "
-                     f"using warmup_iters={fitted} (a tenth of the run); set it to choose")
-        c = replace(c, warmup_iters=fitted)
-    return c
-
-
-CONTEXT_KEYS = [f.name for f in fields(ContextKeys)]  # what a resumed run may change: fine-tune at another context
-
-
-def build_model(c, explicit, data_meta, ckpt, notes):
-    """The model for init_from (with a checkpoint's weights), checked against the dataset's tokenizer."""
-    tokenizer = data_meta["tokenizer"]
-    if ckpt is not None:
-        saved = asdict(GPTConfig(**ckpt["model_config"]))  # completed: checkpoints from before a key existed
-        changed = {k: getattr(c, k) for k in explicit if k in MODEL_KEYS and k != "dropout" and getattr(c, k) != saved[k]}
-        fixed = [k for k in changed if k not in CONTEXT_KEYS or saved["pos_emb"] == "learned"]
-        if fixed:
-            raise ConfigError("init_from=resume: " + ", ".join(f"{k}={changed[k]!r}" for k in fixed) + " differs from "
-                              "the checkpoint (" + ", ".join(f"{k}={saved[k]!r}" for k in fixed) + "); a resumed "
-                              "run keeps its architecture" + (" (and learned positions their length)" if any(
-                                  k in CONTEXT_KEYS for k in fixed) else ""))
-        if ckpt["tokenizer"] != tokenizer:
-            raise DataError(f"dataset {c.dataset!r} uses {describe_meta(tokenizer)}, but {c.out_dir}/{CHECKPOINT} "
-                            f"was trained with {describe_meta(ckpt['tokenizer'])}; resume with the dataset it was trained on")
-        model = GPT(GPTConfig(**{**ckpt["model_config"], "dropout": c.dropout}))
-        model.load_state_dict(ckpt["model"])
-        if changed:  # only context keys are left: continue at another context
-            checked(model.set_context, changed.get("block_size"), changed.get("rope_scaling"), changed.get("rope_factor"))
-            notes.append("note: resuming at " + ", ".join(f"{k}={v!r}" for k, v in changed.items()) + " (the checkpoint "
-                         "had " + ", ".join(f"{k}={saved[k]!r}" for k in changed) + "); the model was trained at "
-                         f"block_size={model.config.trained_block_size}")
-        return model
-    if c.init_from == "scratch":
-        vocab_size = c.vocab_size if "vocab_size" in explicit else data_meta["vocab_size"]
-        return GPT(checked(model_config, replace(c, vocab_size=vocab_size)))
-    overridden = [k for k in explicit if k in MODEL_KEYS and k != "dropout"]
-    if overridden:
-        raise ConfigError(f"init_from={c.init_from}: the pretrained model fixes {', '.join(overridden)}; "
-                          "drop those keys (only dropout can change)")
-    run_ckpt = os.path.join(c.init_from, CHECKPOINT)  # another run's folder: its weights, a fine-tune's start
-    if os.path.exists(run_ckpt):
-        if load_checkpoint(run_ckpt, mmap=True)["tokenizer"] != tokenizer:
-            raise DataError(f"init_from={c.init_from} was trained with another tokenizer than dataset {c.dataset!r}'s; "
-                            "fine-tune it on a dataset prepared with its tokenizer")
-        return GPT.from_pretrained(c.init_from, dropout=c.dropout)
-    model = GPT.from_pretrained(c.init_from, dropout=c.dropout)
-    if uses_gpt2_tokenizer(model.config) and tokenizer != {"kind": "tiktoken", "encoding": "gpt2"}:
-        raise DataError(f"GPT-2 weights need a dataset tokenized with tiktoken gpt2; {c.dataset!r} uses {describe_meta(tokenizer)}")
-    return model
-
-
-def main(argv=None):
-    return cli_main(command, argv)
-
-
-def command(argv):
-    c, explicit = parse_config(TrainConfig, argv, "python train.py [config_file ...] [--key=value ...]",
-                               __doc__.strip().splitlines()[0], config_keys())
-    try:
-        result = train(c, explicit, script=True)
-    except (NonFinite, OSError) as e:  # not bad input: a diverged run, a full disk
-        print(f"error: {e.strerror if isinstance(e, OSError) and e.strerror else e}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:  # the second Ctrl-C: out at once, without a traceback
-        exit_now(c.out_dir)
-    except RuntimeError as e:
-        if not UNFREED_RUNS or not lost_a_process(e):
-            raise
-        rank = UNFREED_RUNS[0].world.rank
-        print(f"error: rank {rank}: another process of this job is gone or silent ({str(e).splitlines()[0][:160]}); "
-              f"{os.path.join(c.out_dir, CHECKPOINT)} holds the last saved state: restart with --init_from=auto "
-              "(torchrun --max-restarts=N does so by itself)", file=sys.stderr, flush=True)
-        os._exit(1)  # not sys.exit: tearing the process group down would wait on the lost process
-    code = 0 if result["signal"] is None else 128 + result["signal"]  # the shell's convention for "ended by this signal"
-    if UNFREED_RUNS:  # under torchrun: end here, before the interpreter frees DDP's reducer (see train())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    if code:
-        sys.exit(code)
-    return result
-
-
-def interrupted_again(out_dir):
-    return (f"error: interrupted again; stopped at once: {os.path.join(out_dir, CHECKPOINT)} holds the last saved "
-            "state (continue with --init_from=resume)")
-
-
-def lost_a_process(error):
-    """Whether a collective failed because a peer process died or fell silent past dist_timeout: gloo's
-    connection errors and timeouts (RuntimeErrors that name them) or torch.distributed's own error classes
-    (NCCL's)."""
-    import torch.distributed as dist
-
-    return isinstance(error, dist.DistError) or any(
-        sign in str(error) for sign in ("gloo/transport", "Connection reset by peer", "Timed out waiting"))
-
-
-# A run under torchrun, kept until the process ends: freeing DDP's reducer joins gloo's worker thread with the
-# GIL held, while that thread may still need the GIL to free a finished collective's tensors (py-spy: main
-# thread in ~Reducer -> ~ProcessGroupGloo -> thread::join, worker in ~AsyncAllgatherWork -> decref): a
-# deadlock at exit, about one run in ten on 2 busy cores even after a barrier. command() ends such a
-# process with os._exit once the checkpoint, logs and output are written.
-UNFREED_RUNS = []
-
-
-# ----------------------------------------------------------------------------------------------------
-# The pieces of a run
-
-
-class Run:
-    """One process's share of a training run: its device and process group, data, model (wrapped for
-    compile and DDP/FSDP2), optimizers and loss scaler, with what the step loop does to them: evaluate()
-    and step(). Saving and restoring them is RunState's."""
-
-    def __init__(self, c, explicit, ckpt):
-        # device, processes, precision
-        self.device_type = pick_device(c.device)
-        self.world = world = Dist(self.device_type, c.dist_timeout)
-        self.device = f"cuda:{world.local_rank}" if self.device_type == "cuda" else self.device_type
-        if self.device_type == "cuda":
-            torch.cuda.set_device(self.device)
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-        self.dtype = pick_dtype(c.dtype, self.device_type)
-        if c.gradient_accumulation_steps % world.size:
-            raise ConfigError(f"gradient_accumulation_steps={c.gradient_accumulation_steps} must be divisible by "
-                              f"the number of processes ({world.size})")
-        if c.eval_iters % world.size:
-            raise ConfigError(f"eval_iters={c.eval_iters} must be divisible by the number of processes ({world.size})")
-        if c.fsdp and not world.enabled:
-            raise ConfigError("fsdp=True needs torchrun (several processes); without it, leave fsdp=False")
-        if c.fsdp and c.log_heads:
-            raise ConfigError("log_heads=True reads whole weight matrices, which fsdp=True shards; use DDP (fsdp=False)")
-        if c.fsdp and c.optimizer == "muon":
-            raise ConfigError("optimizer=muon does not support sharded (FSDP2) parameters; use DDP (fsdp=False)")
-        self.micro_steps = c.gradient_accumulation_steps // world.size
-        torch.manual_seed(c.seed)  # the same initial weights in every process (FSDP2 does not broadcast them)
-
-        # data and model
-        data_dir = resolve_dataset(c.dataset)
-        self.data_meta = read_meta(data_dir)
-        self.notes = []
-        model = build_model(c, explicit, self.data_meta, ckpt, self.notes)
-        self.config = config = model.config
-        if self.data_meta["vocab_size"] > config.vocab_size:
-            raise DataError(f"dataset {c.dataset!r} has a vocabulary of {self.data_meta['vocab_size']}, more than "
-                            f"the model's vocab_size={config.vocab_size}")
-        self.c = c = replace(c, **asdict(config))  # what actually runs, recorded in the checkpoint
-        torch.manual_seed(c.seed + world.rank)  # then a dropout stream of its own per process
-        splits = {s: open_split(data_dir, s, self.data_meta["vocab_size"]) for s in ("train", "val")}
-        self.train_batches = BatchSampler(splits["train"], config.block_size, seed=c.seed)
-        try:  # UTF-8 bytes per token id, for val bits per byte; None where the tokenizer cannot load
-            self.token_bytes = torch.tensor(tokenizer_from_meta(self.data_meta["tokenizer"]).token_bytes())
-        except DataError:
-            self.token_bytes = None
-        self.eval_batches = {s: BatchSampler(files, config.block_size, seed=0) for s, files in splits.items()}
-
-        # Full weights (a checkpoint's were loaded by build_model) before sharding; FSDP2 then shards them in
-        # place, and the optimizer must see the sharded parameters.
-        model.to(self.device)
-        if c.fsdp:
-            from torch.distributed.fsdp import fully_shard
-
-            for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
-        self.raw_model = model
-        self.optimizers = build_optimizers(model, c, self.device_type)
-        self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
-        self.autocast = autocast_for(self.device_type, self.dtype)
-        self.pin = self.device_type == "cuda"
-
-    def wrap(self):
-        """torch.compile and DDP around the model, once its state is restored."""
-        self.model = torch.compile(self.raw_model) if self.c.compile else self.raw_model
-        if self.world.enabled and not self.c.fsdp:
-            from torch.nn.parallel import DistributedDataParallel
-
-            # buffers (RoPE tables, ALiBi slopes) are constants: no need to sync them every forward
-            device_ids = [self.world.local_rank] if self.device_type == "cuda" else None
-            self.model = DistributedDataParallel(self.model, device_ids=device_ids, forward_sync_buffers=False)
-
-    def to_device(self, t):
-        return t.pin_memory().to(self.device, non_blocking=True) if self.pin else t.to(self.device)
-
-    def grad_sync(self, enabled):
-        """Gradients are all-reduced only on the last micro-step of an accumulation."""
-        if self.c.fsdp:
-            self.model.set_requires_gradient_sync(enabled)
-        elif self.world.enabled and not enabled:
-            return self.model.no_sync()
-        return nullcontext()
-
-    @torch.no_grad()
-    def evaluate(self, stop):
-        """Mean cross-entropy (no z-loss) over eval_iters batches per split, or None when a stop request
-        came in between two batches (in one process; under torchrun an all-reduce per batch to agree on
-        it hung gloo at exit, so there the request waits for the evaluation's end). The batches come from a generator
-        seeded the same way at every evaluation: evaluations compare like with like, and none of them
-        moves the training RNG, so resuming stays exact."""
-        c, world = self.c, self.world
-        self.model.eval()
-        result = {}
-        for i, (split, sampler) in enumerate(self.eval_batches.items()):
-            sampler.generator.manual_seed(c.seed + 1 + i)
-            total = torch.zeros((), device=self.device)
-            n_bytes = 0  # of every batch (each process draws them all): no collective needed
-            for k in range(c.eval_iters):
-                if stop.signum is not None and not world.enabled:  # under torchrun: after the evaluation
-                    self.model.train()
-                    return None
-                x, y = sampler.sample(c.batch_size)
-                if self.token_bytes is not None:
-                    n_bytes += int(self.token_bytes[y].sum())
-                if k % world.size != world.rank:
-                    continue
-                with self.autocast:
-                    logits, _ = self.model(self.to_device(x))
-                total += lm_loss(logits, self.to_device(y))[1].float()
-            result[split] = (world.mean(total) * world.size / c.eval_iters).item()
-            if split == "val" and n_bytes:  # bits per byte: comparable across tokenizers
-                tokens = c.eval_iters * c.batch_size * self.config.block_size
-                result["val_bpb"] = result["val"] * tokens / math.log(2) / n_bytes
-        if c.log_stability:  # on one val batch: the instabilities' two symptoms
-            x, _ = self.eval_batches["val"].sample(c.batch_size)
-            with recording(self.raw_model, weights=False) as records, self.autocast:
-                logits, _ = self.raw_model(self.to_device(x))
-            result["max_attn_logit"] = world.mean(torch.stack([r.max_logit for r in records if r]).max()).item()
-            result["mean_log_z"] = world.mean(torch.logsumexp(logits.float(), dim=-1).mean()).item()
-        if c.log_heads:  # the repeated random-token probe (its own generator: the training RNG is untouched)
-            with self.autocast:
-                heads = head_scores(self.raw_model)
-            result["induction_score"], result["icl_score"] = best(heads["induction"]), heads["icl"]
-            result["previous_token_score"] = best(heads["previous"])
-        self.model.train()
-        return result
-
-    def step(self, iter_num, lr, first_bad):
-        """One optimizer step over gradient_accumulation_steps micro-batches. Returns the summed loss and
-        cross-entropy (on the device: no host sync), the gradient norm, the updated first-bad-step tensor
-        and whether the step was skipped as non-finite."""
-        c, world, micro_steps = self.c, self.world, self.micro_steps
-        for optimizer in self.optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-        x_all, y_all = self.train_batches.sample(c.gradient_accumulation_steps * c.batch_size)
-        loss_sum = torch.zeros((), device=self.device)
-        ce_sum = torch.zeros((), device=self.device)
-        for micro in range(micro_steps):
-            rows = slice((world.rank * micro_steps + micro) * c.batch_size,
-                         (world.rank * micro_steps + micro + 1) * c.batch_size)  # fmt: skip
-            x, y = self.to_device(x_all[rows]), self.to_device(y_all[rows])
-            with self.grad_sync(micro == micro_steps - 1):
-                with self.autocast:
-                    logits, _ = self.model(x)
-                loss, ce = lm_loss(logits, y, self.config.z_loss, self.config.label_smoothing)
-                self.scaler.scale(loss / micro_steps).backward()
-            loss_sum += loss.detach()
-            ce_sum += ce.detach()
-        for optimizer in self.optimizers:
-            self.scaler.unscale_(optimizer)
-        grad_norm = clip_gradients(self.raw_model.parameters(), c.grad_clip)
-        # with fp16 an infinite gradient is the GradScaler's business: it skips the step and rescales
-        finite = torch.isfinite(loss_sum) if self.scaler.is_enabled() else torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
-        skipped = False
-        if c.skip_nonfinite:
-            skipped = not bool(finite.item())  # deciding needs the value now: one host sync per step
-        else:
-            first_bad = torch.where(~finite & (first_bad < 0), iter_num, first_bad)
-        if not skipped:
-            for optimizer in self.optimizers:
-                self.scaler.step(optimizer)
-        self.scaler.update()
-        for optimizer in self.optimizers:
-            optimizer.zero_grad(set_to_none=True)
-        return loss_sum, ce_sum, grad_norm, first_bad, skipped
-
-
-class RunState:
-    """Where a run stands, beside its weights and optimizer: the step, the best val loss, the step last
-    evaluated, the batch sampler's position, every process's RNG, how much of metrics.jsonl belongs to
-    the checkpoint and the wall time so far. save() and restore() sit side by side: the keys once."""
-
-    def __init__(self):
-        self.started = time.perf_counter()
-        self.iter_num, self.best_val, self.evaluated_at = 0, float("inf"), -1
-        self.metrics_bytes, self.elapsed_before, self.rng_processes = None, 0.0, None
-
-    def elapsed(self):
-        return self.elapsed_before + time.perf_counter() - self.started
-
-    def restore(self, ckpt, run):
-        # imported here, as in save(): 0.65 s that --help and a refused configuration need not wait for
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(run.raw_model, run.optimizers, ckpt["optimizer"], options=StateDictOptions(full_state_dict=True))
-        if ckpt["scaler"]:
-            run.scaler.load_state_dict(ckpt["scaler"])
-        run.train_batches.load_state_dict(ckpt["sampler"])
-        rng = ckpt["rng"]
-        self.rng_processes = len(rng["cpu"])
-        if self.rng_processes == run.world.size:
-            torch.set_rng_state(rng["cpu"][run.world.rank])
-            if run.device_type == "cuda" and rng["cuda"][run.world.rank] is not None:
-                torch.cuda.set_rng_state(rng["cuda"][run.world.rank])
-        self.iter_num, self.best_val, self.evaluated_at = ckpt["iter_num"], ckpt["best_val_loss"], ckpt["evaluated_at"]
-        self.metrics_bytes, self.elapsed_before = ckpt["metrics_bytes"], ckpt["elapsed"]
-
-    def save(self, run, path, logger):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state, optim_state = get_state_dict(run.raw_model, run.optimizers, options=options)
-        cuda = run.device_type == "cuda"
-        rng = run.world.gather((torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None))
-        if not run.world.master:
-            return
-        state = {
-            "format": 1, "model": model_state, "optimizer": optim_state,
-            "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
-            "model_config": asdict(run.config), "train_config": {k: getattr(run.c, k) for k in TRAIN_KEYS},
-            "tokenizer": run.data_meta["tokenizer"], "iter_num": self.iter_num, "best_val_loss": self.best_val,
-            "evaluated_at": self.evaluated_at, "sampler": run.train_batches.state_dict(),
-            "rng": {"cpu": [r[0] for r in rng], "cuda": [r[1] for r in rng]},
-            "metrics_bytes": logger.durable_size(), "elapsed": self.elapsed(),
-        }  # fmt: skip
-        save_checkpoint(path, state)
-
-
-class StopRequest:
-    """SIGINT/SIGTERM/SIGUSR1: the first asks the loop to stop after this step (it saves a checkpoint),
-    the second aborts at once. SIGUSR1 is SLURM's warning before a job's time runs out (sbatch
-    --signal=USR1@120). Installed while the loop runs; the old handlers come back on close()."""
-
-    SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
-
-    def __init__(self, logger, exit_out_dir=None):
-        """exit_out_dir: set by train.py's own command line. After a stop request, a second signal even
-        during the exit (logs closing, threads joined, atexit callbacks, where Python can only print
-        "Exception ignored in ...") then ends the process with the documented line; None (a run inside
-        another program): the old handlers come back on close()."""
-        self.logger, self.exit_out_dir, self.signum = logger, exit_out_dir, None
-        self.previous = {s: signal.signal(s, self.on_signal) for s in self.SIGNALS}
-
-    def on_signal(self, signum, frame):
-        if self.signum is not None:  # a second Ctrl-C: the user wants out now
-            raise KeyboardInterrupt
-        self.signum = signum
-        self.logger.print(f"{signal.Signals(signum).name}: stopping after this step or evaluation batch (again to abort at once)")
-
-    def close(self):
-        if self.signum is not None and self.exit_out_dir is not None:
-            for s in self.SIGNALS:
-                signal.signal(s, lambda signum, frame: exit_now(self.exit_out_dir))
-            return
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-def exit_now(out_dir):
-    """The second Ctrl-C's way out: the documented line, and no interpreter teardown to interrupt."""
-    try:
-        sys.stdout.flush()
-    except (OSError, ValueError, RuntimeError):  # a closed pipe, or a write this signal interrupted
-        pass
-    print(interrupted_again(out_dir), file=sys.stderr, flush=True)
-    os._exit(128 + signal.SIGINT)
-
-
-def check_finite(first_bad, ckpt_path):
-    bad = int(first_bad.item())
-    if bad >= 0:
-        raise NonFinite(f"non-finite loss or gradient norm at iteration {bad}; stopped without saving, so "
-                        f"{ckpt_path} still holds the last good state (lower learning_rate, or "
-                        "skip_nonfinite=True to skip such steps)")
-
-
-def step_record(run, iter_num, lr, loss_sum, ce_sum, grad_norm, skipped, seconds, steps, elapsed):
-    """The log record and line of a step (the only host sync of a step happens here)."""
-    config, world = run.config, run.world
-    loss = world.mean(loss_sum / run.micro_steps).item()
-    ce = world.mean(ce_sum / run.micro_steps).item()
-    tokens_per_sec = steps * tokens_per_step(run.c) / max(seconds, 1e-9)
-    mfu = estimate_mfu(run.raw_model, tokens_per_sec / world.size, config.block_size, run.device)
-    record = {"iter": iter_num, "loss": loss, "ce": ce, "lr": lr, "grad_norm": grad_norm.item(),
-              "tokens_per_sec": tokens_per_sec, "ms_per_iter": 1000 * seconds / steps, "elapsed": elapsed}
-    if config.z_loss > 0 and not config.label_smoothing:
-        record["z_loss_term"] = loss - ce
-    if mfu is not None:
-        record["mfu"] = mfu
-    if skipped:
-        record["skipped"] = True
-    line = (f"iter {iter_num}: loss {loss:.4f}" + (f" (ce {ce:.4f})" if config.z_loss or config.label_smoothing else "")
-            + f", lr {lr:.2e}, grad norm {record['grad_norm']:.3f}, {tokens_per_sec:,.0f} tok/s"
-            + (f", mfu {100 * mfu:.1f}%" if mfu is not None else ""))
-    return record, line
-
-
 # ----------------------------------------------------------------------------------------------------
 # The recipe
 
@@ -622,7 +118,7 @@ def train(c, explicit, script=False):
     state = RunState()
     settled, ckpt, notes = settle_config(c, explicit)
     run = Run(settled, explicit, ckpt)
-    c, world = run.c, run.world
+    c, world = run.train_config, run.world
     if world.enabled:
         UNFREED_RUNS.append(run)
     ckpt_path = os.path.join(c.out_dir, CHECKPOINT)
@@ -721,6 +217,465 @@ def train(c, explicit, script=False):
         world.close()
         if lock is not None:
             lock.release()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The pieces of a run: its device, data, model and optimizers (Run), one step's log (step_record)
+
+
+class Run:
+    """One process's share of a training run: its device and process group, data, model (wrapped for
+    compile and DDP/FSDP2), optimizers and loss scaler, with what the step loop does to them: evaluate()
+    and step(). Saving and restoring them is checkpoint.RunState's. train_config is the TrainConfig
+    that runs (the model's keys as the model has them), model_config the model's GPTConfig."""
+
+    def __init__(self, c, explicit, ckpt):
+        # device, processes, precision
+        self.device_type = pick_device(c.device)
+        self.world = world = Dist(self.device_type, c.dist_timeout)
+        self.device = f"cuda:{world.local_rank}" if self.device_type == "cuda" else self.device_type
+        if self.device_type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.dtype = pick_dtype(c.dtype, self.device_type)
+        if c.gradient_accumulation_steps % world.size:
+            raise ConfigError(f"gradient_accumulation_steps={c.gradient_accumulation_steps} must be divisible by "
+                              f"the number of processes ({world.size})")
+        if c.eval_iters % world.size:
+            raise ConfigError(f"eval_iters={c.eval_iters} must be divisible by the number of processes ({world.size})")
+        if c.fsdp and not world.enabled:
+            raise ConfigError("fsdp=True needs torchrun (several processes); without it, leave fsdp=False")
+        if c.fsdp and c.log_heads:
+            raise ConfigError("log_heads=True reads whole weight matrices, which fsdp=True shards; use DDP (fsdp=False)")
+        if c.fsdp and c.optimizer == "muon":
+            raise ConfigError("optimizer=muon does not support sharded (FSDP2) parameters; use DDP (fsdp=False)")
+        self.micro_steps = c.gradient_accumulation_steps // world.size
+        torch.manual_seed(c.seed)  # the same initial weights in every process (FSDP2 does not broadcast them)
+
+        # data and model
+        data_dir = resolve_dataset(c.dataset)
+        self.data_meta = read_meta(data_dir)
+        self.notes = []
+        model = build_model(c, explicit, self.data_meta, ckpt, self.notes)
+        self.model_config = config = model.config
+        if self.data_meta["vocab_size"] > config.vocab_size:
+            raise DataError(f"dataset {c.dataset!r} has a vocabulary of {self.data_meta['vocab_size']}, more than "
+                            f"the model's vocab_size={config.vocab_size}")
+        self.train_config = c = replace(c, **asdict(config))  # what actually runs, recorded in the checkpoint
+        torch.manual_seed(c.seed + world.rank)  # then a dropout stream of its own per process
+        splits = {s: open_split(data_dir, s, self.data_meta["vocab_size"]) for s in ("train", "val")}
+        self.train_batches = BatchSampler(splits["train"], config.block_size, seed=c.seed)
+        try:  # UTF-8 bytes per token id, for val bits per byte; None where the tokenizer cannot load
+            self.token_bytes = torch.tensor(tokenizer_from_meta(self.data_meta["tokenizer"]).token_bytes())
+        except DataError:
+            self.token_bytes = None
+        self.eval_batches = {s: BatchSampler(files, config.block_size, seed=0) for s, files in splits.items()}
+
+        # Full weights (a checkpoint's were loaded by build_model) before sharding; FSDP2 then shards them in
+        # place, and the optimizer must see the sharded parameters.
+        model.to(self.device)
+        if c.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in model.blocks:
+                fully_shard(block)
+            fully_shard(model)
+        self.raw_model = model
+        self.optimizers = build_optimizers(model, c, self.device_type)
+        self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
+        self.autocast = autocast_for(self.device_type, self.dtype)
+        self.pin = self.device_type == "cuda"
+
+    def wrap(self):
+        """torch.compile and DDP around the model, once its state is restored."""
+        self.model = torch.compile(self.raw_model) if self.train_config.compile else self.raw_model
+        if self.world.enabled and not self.train_config.fsdp:
+            from torch.nn.parallel import DistributedDataParallel
+
+            # buffers (RoPE tables, ALiBi slopes) are constants: no need to sync them every forward
+            device_ids = [self.world.local_rank] if self.device_type == "cuda" else None
+            self.model = DistributedDataParallel(self.model, device_ids=device_ids, forward_sync_buffers=False)
+
+    def to_device(self, t):
+        return t.pin_memory().to(self.device, non_blocking=True) if self.pin else t.to(self.device)
+
+    def grad_sync(self, enabled):
+        """Gradients are all-reduced only on the last micro-step of an accumulation."""
+        if self.train_config.fsdp:
+            self.model.set_requires_gradient_sync(enabled)
+        elif self.world.enabled and not enabled:
+            return self.model.no_sync()
+        return nullcontext()
+
+    @torch.no_grad()
+    def evaluate(self, stop):
+        """Mean cross-entropy (no z-loss) over eval_iters batches per split, or None when a stop request
+        came in between two batches (in one process; under torchrun an all-reduce per batch to agree on
+        it hung gloo at exit, so there the request waits for the evaluation's end). The batches come from a generator
+        seeded the same way at every evaluation: evaluations compare like with like, and none of them
+        moves the training RNG, so resuming stays exact."""
+        c, world = self.train_config, self.world
+        self.model.eval()
+        result = {}
+        for i, (split, sampler) in enumerate(self.eval_batches.items()):
+            sampler.generator.manual_seed(c.seed + 1 + i)
+            total = torch.zeros((), device=self.device)
+            n_bytes = 0  # of every batch (each process draws them all): no collective needed
+            for k in range(c.eval_iters):
+                if stop.signum is not None and not world.enabled:  # under torchrun: after the evaluation
+                    self.model.train()
+                    return None
+                x, y = sampler.sample(c.batch_size)
+                if self.token_bytes is not None:
+                    n_bytes += int(self.token_bytes[y].sum())
+                if k % world.size != world.rank:
+                    continue
+                with self.autocast:
+                    logits, _ = self.model(self.to_device(x))
+                total += lm_loss(logits, self.to_device(y))[1].float()
+            result[split] = (world.mean(total) * world.size / c.eval_iters).item()
+            if split == "val" and n_bytes:  # bits per byte: comparable across tokenizers
+                tokens = c.eval_iters * c.batch_size * self.model_config.block_size
+                result["val_bpb"] = result["val"] * tokens / math.log(2) / n_bytes
+        if c.log_stability:  # on one val batch: the instabilities' two symptoms
+            x, _ = self.eval_batches["val"].sample(c.batch_size)
+            with recording(self.raw_model, weights=False) as records, self.autocast:
+                logits, _ = self.raw_model(self.to_device(x))
+            result["max_attn_logit"] = world.mean(torch.stack([r.max_logit for r in records if r]).max()).item()
+            result["mean_log_z"] = world.mean(torch.logsumexp(logits.float(), dim=-1).mean()).item()
+        if c.log_heads:  # the repeated random-token probe (its own generator: the training RNG is untouched)
+            with self.autocast:
+                heads = head_scores(self.raw_model)
+            result["induction_score"], result["icl_score"] = best(heads["induction"]), heads["icl"]
+            result["previous_token_score"] = best(heads["previous"])
+        self.model.train()
+        return result
+
+    def step(self, iter_num, lr, first_bad):
+        """One optimizer step over gradient_accumulation_steps micro-batches. Returns the summed loss and
+        cross-entropy (on the device: no host sync), the gradient norm, the updated first-bad-step tensor
+        and whether the step was skipped as non-finite."""
+        c, world, micro_steps = self.train_config, self.world, self.micro_steps
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        x_all, y_all = self.train_batches.sample(c.gradient_accumulation_steps * c.batch_size)
+        loss_sum = torch.zeros((), device=self.device)
+        ce_sum = torch.zeros((), device=self.device)
+        for micro in range(micro_steps):
+            rows = slice((world.rank * micro_steps + micro) * c.batch_size,
+                         (world.rank * micro_steps + micro + 1) * c.batch_size)  # fmt: skip
+            x, y = self.to_device(x_all[rows]), self.to_device(y_all[rows])
+            with self.grad_sync(micro == micro_steps - 1):
+                with self.autocast:
+                    logits, _ = self.model(x)
+                loss, ce = lm_loss(logits, y, self.model_config.z_loss, self.model_config.label_smoothing)
+                self.scaler.scale(loss / micro_steps).backward()
+            loss_sum += loss.detach()
+            ce_sum += ce.detach()
+        for optimizer in self.optimizers:
+            self.scaler.unscale_(optimizer)
+        grad_norm = clip_gradients(self.raw_model.parameters(), c.grad_clip)
+        # with fp16 an infinite gradient is the GradScaler's business: it skips the step and rescales
+        finite = torch.isfinite(loss_sum) if self.scaler.is_enabled() else torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
+        skipped = False
+        if c.skip_nonfinite:
+            skipped = not bool(finite.item())  # deciding needs the value now: one host sync per step
+        else:
+            first_bad = torch.where(~finite & (first_bad < 0), iter_num, first_bad)
+        if not skipped:
+            for optimizer in self.optimizers:
+                self.scaler.step(optimizer)
+        self.scaler.update()
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        return loss_sum, ce_sum, grad_norm, first_bad, skipped
+
+
+class NonFinite(RuntimeError):
+    pass
+
+
+def check_finite(first_bad, ckpt_path):
+    bad = int(first_bad.item())
+    if bad >= 0:
+        raise NonFinite(f"non-finite loss or gradient norm at iteration {bad}; stopped without saving, so "
+                        f"{ckpt_path} still holds the last good state (lower learning_rate, or "
+                        "skip_nonfinite=True to skip such steps)")
+
+
+def step_record(run, iter_num, lr, loss_sum, ce_sum, grad_norm, skipped, seconds, steps, elapsed):
+    """The log record and line of a step (the only host sync of a step happens here)."""
+    config, world = run.model_config, run.world
+    loss = world.mean(loss_sum / run.micro_steps).item()
+    ce = world.mean(ce_sum / run.micro_steps).item()
+    tokens_per_sec = steps * tokens_per_step(run.train_config) / max(seconds, 1e-9)
+    mfu = estimate_mfu(run.raw_model, tokens_per_sec / world.size, config.block_size, run.device)
+    record = {"iter": iter_num, "loss": loss, "ce": ce, "lr": lr, "grad_norm": grad_norm.item(),
+              "tokens_per_sec": tokens_per_sec, "ms_per_iter": 1000 * seconds / steps, "elapsed": elapsed}
+    if config.z_loss > 0 and not config.label_smoothing:
+        record["z_loss_term"] = loss - ce
+    if mfu is not None:
+        record["mfu"] = mfu
+    if skipped:
+        record["skipped"] = True
+    line = (f"iter {iter_num}: loss {loss:.4f}" + (f" (ce {ce:.4f})" if config.z_loss or config.label_smoothing else "")
+            + f", lr {lr:.2e}, grad norm {record['grad_norm']:.3f}, {tokens_per_sec:,.0f} tok/s"
+            + (f", mfu {100 * mfu:.1f}%" if mfu is not None else ""))
+    return record, line
+
+
+# ----------------------------------------------------------------------------------------------------
+# The config that runs, and the model it starts from
+
+
+def settle_config(c, explicit):
+    """The config that runs, and the checkpoint to resume (or None). A resumed run keeps its own config
+    apart from what the command line changes; a fresh one refuses an out_dir that holds a checkpoint.
+    Defaults the user did not set are fitted to a short run; what the user wrote is only checked."""
+    ckpt_path = os.path.join(c.out_dir, CHECKPOINT)
+    ckpt, notes = None, []
+    if c.init_from == "auto":  # what a restarted job runs: torchrun --max-restarts, a requeued SLURM job
+        found = os.path.exists(ckpt_path)
+        notes.append(f"init_from=auto: {'resuming ' + ckpt_path if found else 'no checkpoint in ' + c.out_dir + ', starting from scratch'}")
+        c = replace(c, init_from="resume" if found else "scratch")
+    if c.init_from == "resume":
+        ckpt = load_checkpoint(ckpt_path)
+        saved = {k: v for k, v in ckpt["train_config"].items() if k in TRAIN_KEYS}  # keys since removed are dropped
+        c = TrainConfig(**{**saved, **{k: getattr(c, k) for k in explicit}, "init_from": "resume"})
+    elif os.path.exists(ckpt_path) and not c.overwrite:
+        raise ConfigError(f"{ckpt_path} exists: continue it with --init_from=resume, or start over with "
+                          "--overwrite=True (or another --out_dir)")
+    else:
+        c = fit_defaults(c, explicit, notes)
+    check_config(c)
+    return c, ckpt, notes
+
+
+def fit_defaults(c, explicit, notes):
+    """c with the defaults the user did not set fitted to a short run (a note for each in notes)."""
+    if "warmup_iters" not in explicit and c.warmup_iters > c.max_iters:
+        fitted = c.max_iters // 10
+        notes.append(f"note: warmup_iters={c.warmup_iters} (the default) is longer than max_iters={c.max_iters}; "
+                     f"using warmup_iters={fitted} (a tenth of the run); set it to choose")
+        c = replace(c, warmup_iters=fitted)
+    return c
+
+
+CONTEXT_KEYS = [f.name for f in fields(ContextKeys)]  # what a resumed run may change: fine-tune at another context
+
+
+def build_model(c, explicit, data_meta, ckpt, notes):
+    """The model for init_from (with a checkpoint's weights), checked against the dataset's tokenizer."""
+    tokenizer = data_meta["tokenizer"]
+    if ckpt is not None:
+        saved = asdict(GPTConfig(**ckpt["model_config"]))  # completed: checkpoints from before a key existed
+        changed = {k: getattr(c, k) for k in explicit if k in MODEL_KEYS and k != "dropout" and getattr(c, k) != saved[k]}
+        fixed = [k for k in changed if k not in CONTEXT_KEYS or saved["pos_emb"] == "learned"]
+        if fixed:
+            raise ConfigError("init_from=resume: " + ", ".join(f"{k}={changed[k]!r}" for k in fixed) + " differs from "
+                              "the checkpoint (" + ", ".join(f"{k}={saved[k]!r}" for k in fixed) + "); a resumed "
+                              "run keeps its architecture" + (" (and learned positions their length)" if any(
+                                  k in CONTEXT_KEYS for k in fixed) else ""))
+        if ckpt["tokenizer"] != tokenizer:
+            raise DataError(f"dataset {c.dataset!r} uses {describe_meta(tokenizer)}, but {c.out_dir}/{CHECKPOINT} "
+                            f"was trained with {describe_meta(ckpt['tokenizer'])}; resume with the dataset it was trained on")
+        model = GPT(GPTConfig(**{**ckpt["model_config"], "dropout": c.dropout}))
+        model.load_state_dict(ckpt["model"])
+        if changed:  # only context keys are left: continue at another context
+            checked(model.set_context, changed.get("block_size"), changed.get("rope_scaling"), changed.get("rope_factor"))
+            notes.append("note: resuming at " + ", ".join(f"{k}={v!r}" for k, v in changed.items()) + " (the checkpoint "
+                         "had " + ", ".join(f"{k}={saved[k]!r}" for k in changed) + "); the model was trained at "
+                         f"block_size={model.config.trained_block_size}")
+        return model
+    if c.init_from == "scratch":
+        vocab_size = c.vocab_size if "vocab_size" in explicit else data_meta["vocab_size"]
+        return GPT(checked(model_config, replace(c, vocab_size=vocab_size)))
+    overridden = [k for k in explicit if k in MODEL_KEYS and k != "dropout"]
+    if overridden:
+        raise ConfigError(f"init_from={c.init_from}: the pretrained model fixes {', '.join(overridden)}; "
+                          "drop those keys (only dropout can change)")
+    run_ckpt = os.path.join(c.init_from, CHECKPOINT)  # another run's folder: its weights, a fine-tune's start
+    if os.path.exists(run_ckpt):
+        if load_checkpoint(run_ckpt, mmap=True)["tokenizer"] != tokenizer:
+            raise DataError(f"init_from={c.init_from} was trained with another tokenizer than dataset {c.dataset!r}'s; "
+                            "fine-tune it on a dataset prepared with its tokenizer")
+        return GPT.from_pretrained(c.init_from, dropout=c.dropout)
+    model = GPT.from_pretrained(c.init_from, dropout=c.dropout)
+    if uses_gpt2_tokenizer(model.config) and tokenizer != {"kind": "tiktoken", "encoding": "gpt2"}:
+        raise DataError(f"GPT-2 weights need a dataset tokenized with tiktoken gpt2; {c.dataset!r} uses {describe_meta(tokenizer)}")
+    return model
+
+
+# ----------------------------------------------------------------------------------------------------
+# Logging
+
+
+class Logger:
+    """Plain lines (or a tqdm bar on a terminal), metrics.jsonl with every value, wandb when asked.
+    Only rank 0 logs."""
+
+    def __init__(self, c, out_dir, start_iter, metrics_bytes, active):
+        self.active = active
+        self.bar = self.wandb = self.file = None
+        if not active:
+            return
+        if c.wandb_log:  # first: a wandb that cannot start must not cost the run its metrics file
+            import wandb
+
+            try:
+                self.wandb = wandb.init(project=c.wandb_project, name=c.wandb_run_name, config=asdict(c),
+                                        resume="allow")
+            except Exception as e:  # not logged in, no network, a bad project: wandb's own exception types
+                reason = (str(e).strip().splitlines() or [""])[0]
+                raise ConfigError(f"wandb_log=True but wandb could not start ({type(e).__name__}: {reason}); run "
+                                  "`wandb login`, or set WANDB_MODE=offline to log locally (wandb sync later)") from None
+        path = os.path.join(out_dir, METRICS)
+        if metrics_bytes is not None and os.path.exists(path):
+            with open(path, "r+b") as f:  # drop what the interrupted run logged after its checkpoint
+                f.truncate(metrics_bytes)
+        elif metrics_bytes is None and os.path.exists(path):
+            os.remove(path)
+        self.file = open(path, "a", buffering=1)  # line-buffered: `tail -f metrics.jsonl` follows the run
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=c.max_iters, initial=start_iter, dynamic_ncols=True)
+
+    def print(self, text):
+        if self.active:
+            (self.bar.write if self.bar else print)(text, flush=True)
+
+    def log(self, record, line):
+        if not self.active:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        if self.bar:
+            self.bar.set_postfix_str(line, refresh=False)
+        else:
+            print(line, flush=True)
+        if self.wandb:
+            self.wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+
+    def step(self):
+        if self.bar:
+            self.bar.update(1)
+
+    def durable_size(self):
+        """Flushes metrics.jsonl to disk and returns its size, which the checkpoint records."""
+        if not self.active:
+            return None
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        return self.file.tell()
+
+    def close(self):
+        if self.bar:
+            self.bar.close()
+        if self.file:
+            self.file.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+# ----------------------------------------------------------------------------------------------------
+# The command line's plumbing: signals, exit codes, a lost process under torchrun
+
+
+def main(argv=None):
+    return cli_main(command, argv)
+
+
+def command(argv):
+    c, explicit = parse_config(TrainConfig, argv, "python train.py [config_file ...] [--key=value ...]",
+                               __doc__.strip().splitlines()[0], config_keys())
+    try:
+        result = train(c, explicit, script=True)
+    except (NonFinite, OSError) as e:  # not bad input: a diverged run, a full disk
+        print(f"error: {e.strerror if isinstance(e, OSError) and e.strerror else e}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:  # the second Ctrl-C: out at once, without a traceback
+        exit_now(c.out_dir)
+    except RuntimeError as e:
+        if not UNFREED_RUNS or not lost_a_process(e):
+            raise
+        rank = UNFREED_RUNS[0].world.rank
+        print(f"error: rank {rank}: another process of this job is gone or silent ({str(e).splitlines()[0][:160]}); "
+              f"{os.path.join(c.out_dir, CHECKPOINT)} holds the last saved state: restart with --init_from=auto "
+              "(torchrun --max-restarts=N does so by itself)", file=sys.stderr, flush=True)
+        os._exit(1)  # not sys.exit: tearing the process group down would wait on the lost process
+    code = 0 if result["signal"] is None else 128 + result["signal"]  # the shell's convention for "ended by this signal"
+    if UNFREED_RUNS:  # under torchrun: end here, before the interpreter frees DDP's reducer (see train())
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if code:
+        sys.exit(code)
+    return result
+
+
+def interrupted_again(out_dir):
+    return (f"error: interrupted again; stopped at once: {os.path.join(out_dir, CHECKPOINT)} holds the last saved "
+            "state (continue with --init_from=resume)")
+
+
+def lost_a_process(error):
+    """Whether a collective failed because a peer process died or fell silent past dist_timeout: gloo's
+    connection errors and timeouts (RuntimeErrors that name them) or torch.distributed's own error classes
+    (NCCL's)."""
+    import torch.distributed as dist
+
+    return isinstance(error, dist.DistError) or any(
+        sign in str(error) for sign in ("gloo/transport", "Connection reset by peer", "Timed out waiting"))
+
+
+# A run under torchrun, kept until the process ends: freeing DDP's reducer joins gloo's worker thread with the
+# GIL held, while that thread may still need the GIL to free a finished collective's tensors (py-spy: main
+# thread in ~Reducer -> ~ProcessGroupGloo -> thread::join, worker in ~AsyncAllgatherWork -> decref): a
+# deadlock at exit, about one run in ten on 2 busy cores even after a barrier. command() ends such a
+# process with os._exit once the checkpoint, logs and output are written.
+UNFREED_RUNS = []
+
+
+class StopRequest:
+    """SIGINT/SIGTERM/SIGUSR1: the first asks the loop to stop after this step (it saves a checkpoint),
+    the second aborts at once. SIGUSR1 is SLURM's warning before a job's time runs out (sbatch
+    --signal=USR1@120). Installed while the loop runs; the old handlers come back on close()."""
+
+    SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
+
+    def __init__(self, logger, exit_out_dir=None):
+        """exit_out_dir: set by train.py's own command line. After a stop request, a second signal even
+        during the exit (logs closing, threads joined, atexit callbacks, where Python can only print
+        "Exception ignored in ...") then ends the process with the documented line; None (a run inside
+        another program): the old handlers come back on close()."""
+        self.logger, self.exit_out_dir, self.signum = logger, exit_out_dir, None
+        self.previous = {s: signal.signal(s, self.on_signal) for s in self.SIGNALS}
+
+    def on_signal(self, signum, frame):
+        if self.signum is not None:  # a second Ctrl-C: the user wants out now
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.logger.print(f"{signal.Signals(signum).name}: stopping after this step or evaluation batch (again to abort at once)")
+
+    def close(self):
+        if self.signum is not None and self.exit_out_dir is not None:
+            for s in self.SIGNALS:
+                signal.signal(s, lambda signum, frame: exit_now(self.exit_out_dir))
+            return
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def exit_now(out_dir):
+    """The second Ctrl-C's way out: the documented line, and no interpreter teardown to interrupt."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError, RuntimeError):  # a closed pipe, or a write this signal interrupted
+        pass
+    print(interrupted_again(out_dir), file=sys.stderr, flush=True)
+    os._exit(128 + signal.SIGINT)
 
 
 if __name__ == "__main__":

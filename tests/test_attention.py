@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import GPT, GPTConfig, Sampling, lm_loss, linear_attention_chunk
+from attention import linear_attention_chunk
+from generate import Sampling, next_logits
+from model import GPT, GPTConfig, lm_loss
 
 SCHEMES = ["learned", "rope", "sinusoidal", "alibi", "t5", "none"]
 RELATIVE = ["rope", "alibi", "t5", "none"]
@@ -121,7 +123,7 @@ def cache_bytes_while_decoding(model, n):
     cache, held = model.new_cache(), {}
     with torch.no_grad():
         for length in range(1, n + 1):
-            seq[0, length] = model.next_logits(seq, length, cache).argmax()
+            seq[0, length] = next_logits(model, seq, length, cache).argmax()
             held[cache.length] = cache.nbytes()
     return held
 
@@ -201,7 +203,7 @@ def test_linear_state_cannot_roll_back_and_speculation_says_so():
     model(torch.randint(0, 61, (1, 6)), kv_cache=cache)
     with pytest.raises(ValueError, match="cannot roll back to 4"):
         cache.rewind(4)
-    with pytest.raises(ConfigError, match="linear-attention layers .* cannot roll back rejected drafts"):
+    with pytest.raises(ConfigError, match="causal linear attention\\) layers .* cannot roll back rejected drafts"):
         speculative.generate(model, torch.zeros(1, 3, dtype=torch.long), 5, GREEDY, speculative.NgramDraft())
 
 

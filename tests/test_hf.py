@@ -5,7 +5,8 @@ import os
 import pytest
 import torch
 
-from model import GPT, GPTConfig, Sampling
+from generate import Sampling
+from model import GPT, GPTConfig
 
 transformers = pytest.importorskip("transformers", reason="parity tests need transformers (requirements-dev.txt)")
 
@@ -114,13 +115,14 @@ def test_save_pretrained_loads_in_transformers(tmp_path, idx, overrides):
         (dict(qk_norm=True), "qk_norm=True"),
         (dict(norm="rmsnorm"), "norm='rmsnorm'"),
         (dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=True), "bias=True"),
-        (dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, attn_pattern="SL", attn_window=4),
-         "attn_pattern='SL'"),
+        (dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, attn_pattern="SL", attn_window=4, n_layer=2),
+         "attn_pattern='SL'"),  # a window layer and a full one: one model cannot mix them in transformers
+        (dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, attn_pattern="R"), "attn_pattern='R'"),
         (dict(norm_placement="post"), "norm_placement='post'"),
     ],
 )
 def test_save_pretrained_refuses_inexpressible(tmp_path, overrides, what):
-    model = GPT(GPTConfig(block_size=16, vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=16, **overrides))
+    model = GPT(GPTConfig(**{"block_size": 16, "vocab_size": VOCAB, "n_layer": 1, "n_head": 2, "n_embd": 16, **overrides}))
     with pytest.raises(ValueError, match="no Hugging Face equivalent") as err:
         model.save_pretrained(str(tmp_path / "out"))
     assert what in str(err.value)

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from configurator import ConfigError
 from device import estimate_mfu
-from model import GPT, GPTConfig, Sampling, filter_logits, gelu_tanh, gelu_tanh_as_sigmoid, lm_loss, sample_next
+from generate import Sampling, filter_logits, sample_next
+from model import GPT, GPTConfig, gelu_tanh, gelu_tanh_as_sigmoid, lm_loss
 from optim import adamw_everywhere
 from positions import RotaryPositions, alibi_slopes
 import quantize

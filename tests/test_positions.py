@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import TINY_RUN, run_main
-from model import GPT, GPTConfig, Sampling
+from generate import Sampling
+from model import GPT, GPTConfig
 from positions import t5_bucket
 
 

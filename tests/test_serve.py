@@ -23,7 +23,7 @@ uvicorn = pytest.importorskip("uvicorn", reason="serve.py needs FastAPI and uvic
 
 import serve  # noqa: E402
 from checkpoint import load_any  # noqa: E402
-from model import Sampling  # noqa: E402
+from generate import Sampling  # noqa: E402
 
 
 def free_port():

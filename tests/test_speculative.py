@@ -13,7 +13,8 @@ import torch
 
 import speculative
 from conftest import ROOT, TINY_RUN, run_main
-from model import GPT, GPTConfig, Sampling
+from generate import Sampling
+from model import GPT, GPTConfig
 from speculative import ModelDraft, NgramDraft
 
 GREEDY = Sampling(temperature=0)

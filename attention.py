@@ -1,0 +1,490 @@
+"""
+Attention kinds: what a layer's queries see and what its cache keeps. Each kind is one class, registered
+under its letter of GPTConfig.attn_pattern in KINDS and built as KINDS[letter](config); the rest of the
+code asks a kind only through this protocol (defaults in Attention), never by its letter or class:
+
+  letter, description       its letter, and a few words for --help and the error on an unknown letter
+  config_keys               GPTConfig keys only this kind reads (S: attn_window): set with no such layer, refused
+  check(config)             ValueError for what this kind cannot run (a position scheme, a RoPE scaling)
+  mask(config, positions, start, T, device)   what the kind's layers need for T queries from position start,
+                            made once per forward and shared by them: None (every key up to the query's own,
+                            the queries being the last T keys), a boolean (T, keys) tensor, or an additive
+                            (n_head, T, keys) bias holding -inf where a key is hidden (ALiBi, T5)
+  keys_per_query(config, seq_len)   how many keys a query meets: FLOPs and MFU (GPT.flops_per_token)
+  softmax                   True when it forms softmax weights (interpret.py records them through attend)
+  exports_as                what transformers calls this attention, when it is exactly that: "full" (Llama,
+                            GPT-2), "window" (Mistral), or None; a subclass that changes the math sets None
+  Cache                     its cache class, which says whether it can roll back (rewinds: speculative
+                            decoding) and whether its size is bounded (bounded: a model whose every layer is
+                            bounded runs past block_size, with relative positions); new_cache(max_len) makes one
+  gates(x)                  per-token extras from the block input (a forget gate, a delta rule's beta): None,
+                            a tensor or a tuple of tensors with the batch first; they travel with q, k and v
+  mix(q, k, v, gates, start, mask, cache, positions)   heads (B, H, T, D) of positions start.. -> outputs
+
+Attention.forward runs the batch at one position; forward_rows runs decode rows each at its own position
+(GPT.decode_rows), written once for every kind. Caches update their own state. The softmax kernels
+(attn_impl: KERNELS) are here too: SDPA, and the explicit masked softmax kept as its reference.
+"""
+
+import math
+from dataclasses import replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# ----------------------------------------------------------------------------------------------------
+# Softmax kernels
+
+
+def visible(q_start, T, k_start, k_len, window, device):
+    """Boolean (T, k_len): query q_start+i sees key k_start+j when the key is not later and, with a
+    window, fewer than `window` positions earlier (so the query sees itself and window - 1 keys before)."""
+    offset = (torch.arange(q_start, q_start + T, device=device)[:, None]
+              - torch.arange(k_start, k_start + k_len, device=device)[None, :])  # fmt: skip
+    return (offset >= 0) & (offset < window) if window else offset >= 0
+
+
+def attention_scores(q, k, mask):
+    """Pre-softmax scores (B, n_head, T, keys): scaled q.k (keys shared across a query group), -inf where
+    the mask hides a key, plus any position bias."""
+    k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
+    if mask is None:
+        mask = visible(k.size(2) - q.size(2), q.size(2), 0, k.size(2), None, q.device)
+    if mask.dtype == torch.bool:
+        return scores.masked_fill(~mask, float("-inf"))
+    return scores + mask.to(scores.dtype)
+
+
+def attention_explicit(q, k, v, mask, dropout_p=0.0):
+    """The textbook path, kept as the reference that SDPA is tested against."""
+    scores = attention_scores(q, k, mask)
+    weights = F.dropout(F.softmax(scores.float(), dim=-1).to(q.dtype), p=dropout_p)
+    return weights @ v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+
+
+def attention_sdpa(q, k, v, mask, dropout_p=0.0):
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(2) > 1:
+        # torch 2.13's CPU flash-attention kernel is 2-4x slower in bf16 than in fp32 (backward above
+        # all; measured in docs/research_log.md), so on CPU training and prefill attention run in fp32.
+        # One decoded query stays in bf16: casting the whole cache to fp32 every step would cost more.
+        with torch.autocast("cpu", enabled=False):  # autocast would cast them straight back to bf16
+            return attention_sdpa(q.float(), k.float(), v.float(), mask, dropout_p).to(q.dtype)
+    T, kv_len = q.size(2), k.size(2)
+    gqa = q.size(1) != k.size(1)
+    if mask is not None:  # a window's boolean mask, or a bias that already holds -inf where keys are hidden
+        mask = mask if mask.dtype == torch.bool else mask.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+    if T == kv_len:  # no cache, or a prefill into an empty one
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
+    if T == 1:  # one new token sees every cached key
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, enable_gqa=gqa)
+    mask = visible(kv_len - T, T, 0, kv_len, None, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+
+
+KERNELS = {"sdpa": attention_sdpa, "explicit": attention_explicit}  # GPTConfig.attn_impl
+
+
+# ----------------------------------------------------------------------------------------------------
+# The protocol, and what every kind shares: one q/k/v projection, optional QK-norm, the output projection
+
+
+def make_norm(config, dim):
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=config.norm_eps)
+    return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
+
+
+class Attention(nn.Module):
+    letter = None
+    description = ""
+    config_keys = ()
+    softmax = False
+    exports_as = None
+    Cache = None
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        # one matmul for queries, keys and values (Llama's q/k/v projections are concatenated on load)
+        self.qkv = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
+        self.proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)
+        self.q_norm = make_norm(config, self.head_dim) if config.qk_norm else nn.Identity()
+        self.k_norm = make_norm(config, self.head_dim) if config.qk_norm else nn.Identity()
+        self.dropout = config.dropout
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    @classmethod
+    def check(cls, config):
+        pass
+
+    @classmethod
+    def mask(cls, config, positions, start, T, device):
+        return None
+
+    @classmethod
+    def keys_per_query(cls, config, seq_len):
+        return seq_len
+
+    def new_cache(self, max_len):
+        return self.Cache()
+
+    def gates(self, x):
+        return None
+
+    def mix(self, q, k, v, gates, start, mask, cache, positions):
+        raise NotImplementedError
+
+    def forward(self, x, positions, start, mask, cache):
+        """x (B, T, C) at positions start.., through cache (or None) -> the layer's output (B, T, C)."""
+        q, k, v = self.heads(x)
+        return self.out(self.mix(q, k, v, self.gates(x), start, mask, cache, positions))
+
+    def forward_rows(self, x, positions, starts, masks, caches):
+        """x (B, 1, C): row i is one token of its own sequence, at position starts[i], with masks[i] and
+        caches[i]. The projections run once for the batch; mixing runs row by row."""
+        q, k, v = self.heads(x)
+        gates = self.gates(x)
+        rows = [self.mix(q[i : i + 1], k[i : i + 1], v[i : i + 1], row_of(gates, i), start, mask, cache, positions)
+                for i, (start, mask, cache) in enumerate(zip(starts, masks, caches))]  # fmt: skip
+        return self.out(torch.cat(rows))
+
+    def heads(self, x):
+        """x (B, T, C) -> queries (B, n_head, T, D), keys and values (B, n_kv_head, T, D)."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1
+        )
+        q = self.q_norm(q.view(B, T, self.n_head, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(B, T, self.n_kv_head, self.head_dim)).transpose(1, 2)
+        return q, k, v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+
+    def out(self, y):
+        B, _, T, _ = y.shape
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
+
+
+def row_of(gates, i):
+    if gates is None:
+        return None
+    return tuple(g[i : i + 1] for g in gates) if isinstance(gates, tuple) else gates[i : i + 1]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Softmax attention: over every earlier key (L), or over the last attn_window positions (S)
+
+
+class FullKV:
+    """A full-attention layer's keys and values, preallocated for max_len positions on the first write
+    (which also fixes their dtype: the dtype the model computes in, autocast included)."""
+
+    rewinds = True  # positions from n on are overwritten by the next writes
+    bounded = False
+
+    def __init__(self, max_len):
+        self.max_len, self.k, self.v = max_len, None, None
+
+    def update(self, start, k, v):
+        """Writes k, v (B, H, T, D) at positions start.. and returns every key and value up to them."""
+        if self.k is None:
+            B, H, _, D = k.shape
+            self.k = k.new_empty(B, H, self.max_len, D)  # only written positions are read
+            self.v = v.new_empty(B, H, self.max_len, D)
+        end = start + k.size(2)
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; writing up to {end}")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def rewind(self, n):
+        pass
+
+    def nbytes(self, length):
+        return 0 if self.k is None else 2 * self.k[:, :, :length].numel() * self.k.element_size()
+
+
+class FullAttention(Attention):
+    """Softmax attention over every earlier key."""
+
+    letter, description = "L", "full attention"
+    softmax, exports_as = True, "full"
+    Cache = FullKV
+    window = None
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.attend = KERNELS[config.attn_impl]
+
+    @classmethod
+    def mask(cls, config, positions, start, T, device):
+        return positions.attn_bias(start, T, 0, start + T)
+
+    def new_cache(self, max_len):
+        return self.Cache(max_len)
+
+    def mix(self, q, k, v, gates, start, mask, cache, positions):
+        q, k = positions.rotate(q, k, start)
+        if cache is not None:
+            k, v = cache.update(start, k, v)
+        return self.attend(q, k, v, mask, self.dropout if self.training else 0.0)
+
+
+class WindowKV:
+    """A sliding-window layer's keys and values: a rolling buffer of what the next query can see (the
+    window - 1 positions before it), plus the last write's positions, into which speculative decoding may
+    roll back. Its size is bounded by the window, however long the text grows."""
+
+    rewinds = True  # into the last write; further back is refused
+    bounded = True
+
+    def __init__(self, window):
+        self.window, self.k, self.v, self.first = window, None, None, 0  # first: position of self.k[:, :, 0]
+
+    def update(self, start, k, v):
+        """Adds k, v at positions start.. and returns the keys and values from max(0, start - window + 1)
+        on: all that these queries can see."""
+        first = max(0, start - self.window + 1)
+        if self.k is not None:
+            keep = slice(first - self.first, start - self.first)  # positions from start on were rolled back
+            k, v = torch.cat([self.k[:, :, keep], k], dim=2), torch.cat([self.v[:, :, keep], v], dim=2)
+        self.k, self.v, self.first = k, v, first
+        return k, v
+
+    def rewind(self, n):
+        if max(0, n - self.window + 1) < self.first:
+            raise ValueError(f"a sliding-window cache keeps positions {self.first} on; it cannot roll back to {n}")
+
+    def nbytes(self, length):
+        return 0 if self.k is None else self.k.nbytes + self.v.nbytes
+
+
+class SlidingWindowAttention(FullAttention):
+    """Softmax attention over the last attn_window positions (the query's own included); its cache keeps
+    only those."""
+
+    letter, description = "S", "sliding window"
+    config_keys = ("attn_window",)
+    exports_as = "window"
+    Cache = WindowKV
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.window = config.attn_window
+
+    @classmethod
+    def check(cls, config):
+        if config.attn_window is None:
+            raise ValueError(f"GPTConfig.attn_pattern={config.attn_pattern!r} has sliding-window layers (S): set "
+                             "attn_window, the tokens each query sees (itself included)")
+        if config.attn_window < 1:
+            raise ValueError(f"GPTConfig.attn_window={config.attn_window} must be a positive integer")
+
+    @classmethod
+    def mask(cls, config, positions, start, T, device):
+        """Keys from start - window + 1 on (what the cache keeps), hiding those out of a query's window."""
+        window = config.attn_window
+        k_start = max(0, start - window + 1)
+        mask = positions.attn_bias(start, T, k_start, start + T - k_start)
+        if start + T - k_start > window:  # some key is out of some query's window
+            seen = visible(start, T, k_start, start + T - k_start, window, device)
+            mask = seen if mask is None else mask.masked_fill(~seen, float("-inf"))
+        return mask
+
+    @classmethod
+    def keys_per_query(cls, config, seq_len):
+        return min(seq_len, config.attn_window)
+
+    def new_cache(self, max_len):
+        return self.Cache(self.window)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Causal linear attention (R)
+
+
+class LinearState:
+    """A linear-attention layer's cache: its running sums (S, z) over every position so far, in fp32, the
+    same size at any length. A sum cannot give back what it added: rolling back is refused."""
+
+    rewinds = False
+    bounded = True
+
+    def __init__(self):
+        self.state, self.end = None, 0
+
+    def update(self, end, state):
+        """The sums now cover positions 0..end-1."""
+        self.state, self.end = state, end
+
+    def rewind(self, n):
+        if n != self.end:
+            raise ValueError(f"a linear-attention (R) layer's state sums positions 0..{self.end - 1} and cannot "
+                             f"roll back to {n}")
+
+    def nbytes(self, length):
+        return 0 if self.state is None else sum(t.nbytes for t in self.state)
+
+
+class LinearAttention(Attention):
+    """Causal linear attention (Katharopoulos et al. 2020): softmax(q.k) replaced by phi(q).phi(k) with
+    phi = elu + 1 > 0, so the sum over earlier keys is a running one. Per head:
+
+        y_i = phi(q_i) S_i / (phi(q_i) . z_i),   S_i = sum_{j<=i} phi(k_j) v_j^T  (d x d),   z_i = sum_{j<=i} phi(k_j)
+
+    Training and prefill go chunk by chunk (the quadratic form inside a chunk, the state across chunks);
+    a decoded token updates the state, so it costs the same at position 10 and 10,000 and the cache is the
+    state alone. With RoPE, the numerator's phi(q) and phi(k) are rotated and the denominator's are not
+    (Su et al. 2021, sec. 3.3): scores then depend on offsets and the denominator stays positive. Keys and
+    values shared by a query group (GQA) are repeated per query head. Computed in fp32."""
+
+    letter, description = "R", "causal linear attention"
+    Cache = LinearState
+    chunk = 64  # queries per chunk: the quadratic part costs chunk * d per token, the state d * d
+
+    @classmethod
+    def check(cls, config):
+        if config.pos_emb in ("alibi", "t5"):
+            raise ValueError(f"GPTConfig.attn_pattern={config.attn_pattern!r} has linear-attention layers (R), which "
+                             f"never form the score matrix that pos_emb={config.pos_emb!r} adds its bias to; use rope, "
+                             "learned, sinusoidal or none")
+        if config.rope_scaling != "none":
+            raise ValueError(f"GPTConfig.attn_pattern={config.attn_pattern!r} has linear-attention layers (R), whose "
+                             f"RoPE is not scaled; rope_scaling={config.rope_scaling!r} is for softmax attention only")
+
+    @classmethod
+    def keys_per_query(cls, config, seq_len):
+        """Its chunk's keys plus the head size (the state's d x d product)."""
+        return min(seq_len, cls.chunk) + config.n_embd // config.n_head
+
+    def mix(self, q, k, v, gates, start, mask, cache, positions):
+        groups = self.n_head // self.n_kv_head
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        with torch.autocast(q.device.type, enabled=False):
+            q, k = F.elu(q.float()) + 1, F.elu(k.float()) + 1
+            rq, rk = positions.rotate(q, k, start)  # unchanged unless pos_emb='rope'
+            state = None if cache is None else cache.state
+            ys = []
+            for a in range(0, q.size(2), self.chunk):
+                part = slice(a, a + self.chunk)
+                y, state = linear_attention_chunk(q[:, :, part], k[:, :, part], rq[:, :, part], rk[:, :, part],
+                                                  v[:, :, part].float(), state)
+                ys.append(y)
+        if cache is not None:
+            cache.update(start + q.size(2), state)
+        return torch.cat(ys, dim=2).to(v.dtype)
+
+
+def linear_attention_chunk(q, k, rq, rk, v, state, eps=1e-6):
+    """Causal linear attention over one chunk (B, H, T, D) after `state` (S, z), or None at the start:
+    phi'd queries and keys q, k, their rotated copies rq, rk (the same tensors without RoPE), values v.
+    Returns the outputs and the state after the chunk."""
+    if q.size(2) == 1 and state is not None:  # a decoded token: the recurrence itself
+        S, z = state[0] + rk.transpose(-2, -1) @ v, state[1] + k[:, :, 0]
+        return (rq @ S) / ((q * z[:, :, None]).sum(-1, keepdim=True) + eps), (S, z)
+    numerator = (rq @ rk.transpose(-2, -1)).tril() @ v  # each query with the chunk's keys up to its own
+    denominator = (q * k.cumsum(dim=2)).sum(-1)
+    S, z = rk.transpose(-2, -1) @ v, k.sum(dim=2)
+    if state is not None:  # and with every key before the chunk, through the running sums
+        numerator = numerator + rq @ state[0]
+        denominator = denominator + (q * state[1][:, :, None]).sum(-1)
+        S, z = S + state[0], z + state[1]
+    return numerator / (denominator[..., None] + eps), (S, z)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The registry, and what the model asks of a pattern
+
+
+KINDS = {}
+
+
+def register(kind):
+    """Adds an attention kind (an Attention subclass with its own letter) to KINDS; returns it, so it can
+    decorate the class. A letter already taken is refused."""
+    letter = kind.letter
+    if not (isinstance(letter, str) and len(letter) == 1 and letter.isalpha()):
+        raise ValueError(f"{kind.__name__}.letter={letter!r}: a kind's letter is one letter")
+    if KINDS.get(letter, kind) is not kind:
+        raise ValueError(f"attention kind {letter!r} is taken by {KINDS[letter].__name__}")
+    KINDS[letter] = kind
+    return kind
+
+
+for _kind in (FullAttention, SlidingWindowAttention, LinearAttention):
+    register(_kind)
+
+
+def named(letters):
+    """'L (full attention), S (sliding window)': letters with their kinds' descriptions."""
+    return ", ".join(f"{letter} ({KINDS[letter].description})" for letter in letters)
+
+
+def pattern_help():
+    """--help's text for attn_pattern."""
+    kinds = ", ".join(f"{letter} {kind.description}" for letter, kind in KINDS.items())
+    return f"a letter per layer, tiled: {kinds}"
+
+
+def check(config):
+    """ValueError (naming the key) for an attn_pattern of unknown letters, a kind's key set with no layer
+    of that kind, or what a kind in the pattern refuses."""
+    pattern = config.attn_pattern
+    unknown = sorted(set(pattern) - set(KINDS))
+    if not pattern or unknown:
+        raise ValueError(f"GPTConfig.attn_pattern={pattern!r}: each letter must be one of {named(KINDS)}"
+                         f"{'; got ' + repr(unknown[0]) if unknown else ''}")
+    for key in dict.fromkeys(key for kind in KINDS.values() for key in kind.config_keys):
+        users = "/".join(letter for letter, kind in KINDS.items() if key in kind.config_keys)
+        if getattr(config, key) is not None and not any(key in KINDS[letter].config_keys for letter in pattern):
+            raise ValueError(f"GPTConfig.{key}={getattr(config, key)} is set but attn_pattern={pattern!r} has no "
+                             f"{users} layer to use it: add {users} to the pattern or leave {key} unset")
+    for letter in dict.fromkeys(pattern):
+        KINDS[letter].check(config)
+
+
+def kinds_of(config):
+    """The kinds of the config's layers, each once, in pattern order: {letter: class}."""
+    return {letter: KINDS[letter] for letter in dict.fromkeys(config.layer_kinds)}
+
+
+def with_pattern(config, pattern):
+    """config with another attn_pattern; keys that only kinds outside it read are unset (bench.py)."""
+    kept = {key for letter in pattern if letter in KINDS for key in KINDS[letter].config_keys}
+    unset = {key: None for kind in KINDS.values() for key in kind.config_keys if key not in kept}
+    return replace(config, attn_pattern=pattern, **unset)
+
+
+class KVCache:
+    """The cache of every layer (layers[i]: the cache layer i's kind made; GPT.new_cache) and the length
+    they share. Each layer writes and reads its own; the model advances the length once all have written;
+    rewind(n) keeps the first n positions (speculative decoding drops rejected drafts so), where every
+    layer's kind of cache can."""
+
+    def __init__(self, layers):
+        self.layers = layers
+        self._length = 0
+
+    @property
+    def length(self):
+        """Positions filled: the next token's position."""
+        return self._length
+
+    def advance(self, n):
+        self._length += n
+
+    def rewind(self, n):
+        """Keeps the first n positions; later writes overwrite the rest."""
+        if not 0 <= n <= self._length:
+            raise ValueError(f"cannot rewind a KV cache of {self._length} positions to {n}")
+        for layer in self.layers:
+            layer.rewind(n)
+        self._length = n
+
+    def nbytes(self):
+        """Bytes the layers hold for the positions so far (a full-attention layer's preallocated but
+        unwritten positions not counted)."""
+        return sum(layer.nbytes(self._length) for layer in self.layers)
