@@ -89,6 +89,56 @@ def run_main(script, *args):
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
+
+def one_error_line(result):
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("error: ") and "Traceback" not in result.stderr, result.stderr
+    return lines[-1]
+
+
+def fails(capsys, main, *args):
+    """Runs a script's main; returns (exit status, stderr), checking the message is one line."""
+    with pytest.raises(SystemExit) as exit:
+        main(list(args))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return exit.value.code, err
+
+
+def gpt2_or_skip():
+    from dataset import TiktokenTokenizer
+
+    try:
+        TiktokenTokenizer("gpt2")
+    except Exception as e:  # no ../shared tiktoken cache and no network
+        pytest.skip(f"tiktoken gpt2 files unavailable: {e}")
+
+
+def tiny(**overrides):
+    """The GPTConfig of the small random models the unit tests build (block_size 32, 61 tokens)."""
+    from model import GPTConfig
+
+    base = dict(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
+    base.update(overrides)
+    return GPTConfig(**base)
+
+
+def build(seed=0, **overrides):
+    """A random GPT of tiny(**overrides), seeded, in eval mode."""
+    import torch
+    from model import GPT
+
+    torch.manual_seed(seed)
+    return GPT(tiny(**overrides)).eval()
+
+
+def max_logit_diff(ours, theirs, idx):
+    """Largest absolute difference between our logits and a transformers model's on idx."""
+    import torch
+
+    with torch.no_grad():
+        return (ours(idx)[0] - theirs(idx).logits).abs().max().item()
+
 @pytest.fixture(scope="session")
 def bpe_run(tmp_path_factory):
     """(dataset, out_dir): a BPE of 300 tokens learned by `data/prepare.py --tokenizer=bpe:300` from a text

@@ -1,7 +1,9 @@
+"""ablate.py: a study's variants and seeds, its tables, shrunk and quick forms, refused studies, signals."""
+
 import pytest
 
 import ablate
-from conftest import read_metrics
+from conftest import ROOT, read_metrics, run_script
 
 STUDY = """
 title = "tiny"
@@ -77,8 +79,11 @@ def test_quick_form_uses_the_studys_quick_keys(tmp_path, char_dataset, capsys, m
     assert "--quick=True --n_embd=8`: 1 seed(s)" in (root / "results.md").read_text()
 
 
-@pytest.mark.parametrize("study", ["positions", "modern_recipe", "optimizers", "stability", "length", "induction",
-                                   "context_extension", "windows", "linear", "norm_placement"])
+# every study file in config/ablations: a new one is covered without editing this test
+STUDIES = sorted(path.stem for path in (ROOT / "config" / "ablations").glob("*.py"))
+
+
+@pytest.mark.parametrize("study", STUDIES)
 def test_every_study_has_a_quick_form_that_loads(study):
     from conftest import ROOT
 
@@ -167,3 +172,15 @@ def test_length_study_fine_tunes_from_a_variant_and_scores_every_context(tmp_pat
     scores = json.loads((out / "rope16" / "seed1337" / "lengths.json").read_text())
     assert scores["32 {}"] != scores['32 {"rope_factor": 2.0, "rope_scaling": "linear"}']  # scaled at evaluation
     assert len(scores) == 4 and all(0 < s < 10 for s in scores.values())
+
+
+def test_ablate_with_gpt2_offline_is_one_line(tmp_path, char_dataset):
+    """init_from=gpt2 without network or a Hugging Face cache: PretrainedError, a UserError like any other."""
+    study = tmp_path / "study.py"
+    study.write_text(f"base = dict(dataset={char_dataset!r}, init_from='gpt2', max_iters=2, eval_interval=2, "
+                     "eval_iters=1, batch_size=2, device='cpu', dtype='float32')\nvariants = {'gpt2': {}}\n")
+    result = run_script("ablate.py", str(study), f"--out_dir={tmp_path / 'out'}",
+                        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home")})
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: variant 'gpt2' seed 1337: could not download 'gpt2'"), result.stderr
+    assert "Traceback" not in result.stderr

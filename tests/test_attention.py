@@ -1,26 +1,19 @@
-"""Attention beyond full softmax: sliding windows and their rolling cache, causal linear attention and its
-recurrent state, post-norm blocks, label smoothing."""
+"""attention.py: the attention kinds (sliding windows and their rolling cache, causal linear attention's state)
+and the registry: a kind registered from outside the project runs everywhere."""
 
-import math
 from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from attention import linear_attention_chunk
+from conftest import ROOT, TINY_RUN, build, run_main
 from generate import Sampling, next_logits
-from model import GPT, GPTConfig, lm_loss
+from model import GPT, GPTConfig
 
 SCHEMES = ["learned", "rope", "sinusoidal", "alibi", "t5", "none"]
 RELATIVE = ["rope", "alibi", "t5", "none"]
 GREEDY = Sampling(temperature=0)
-
-
-def build(seed=0, **overrides):
-    config = dict(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_embd=32, dropout=0.0)
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**config | overrides)).eval()
 
 
 def with_pattern(model, **keys):
@@ -222,41 +215,6 @@ def test_linear_attention_trains():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Post-norm blocks and label smoothing
-
-
-def test_post_norm_block_is_the_2017_recipe():
-    model = build(n_layer=1, norm_placement="post", mlp="relu2")
-    idx = torch.randint(0, 61, (2, 10))
-    block = model.blocks[0]
-    x = model.positions.embed(model.tok_emb(idx), 0)
-    q, k, v = block.attn.qkv(x).split(32, dim=-1)
-    q, k, v = (t.view(2, 10, 4, 8).transpose(1, 2) for t in (q, k, v))
-    scores = (q @ k.transpose(-2, -1) / math.sqrt(8)).masked_fill(~torch.ones(10, 10, dtype=torch.bool).tril(), float("-inf"))
-    attn = block.attn.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 10, 32))
-    x = F.layer_norm(x + attn, (32,), block.norm1.weight, block.norm1.bias)
-    x = F.layer_norm(x + block.mlp.proj(F.relu(block.mlp.fc(x)).square()), (32,), block.norm2.weight, block.norm2.bias)
-    torch.testing.assert_close(model(idx)[0], x @ model.tok_emb.weight.T, rtol=0, atol=1e-5)  # no final norm
-    assert isinstance(model.norm_f, torch.nn.Identity)
-
-
-def test_label_smoothing_is_the_training_loss_only():
-    model = build(label_smoothing=0.1)
-    idx, targets = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16))
-    targets[0, :3] = -1  # ignored positions count in neither term
-    logits, loss = model(idx, targets)
-    logp = F.log_softmax(logits.view(-1, 61), dim=-1)[targets.view(-1) != -1]
-    kept = targets.view(-1)[targets.view(-1) != -1]
-    nll = -logp.gather(1, kept[:, None]).mean()
-    by_hand = 0.9 * nll - 0.1 * logp.mean(dim=-1).mean()  # 0.9 on the target, 0.1 spread evenly over 61
-    torch.testing.assert_close(loss, by_hand)
-    torch.testing.assert_close(loss, F.cross_entropy(logits.view(-1, 61), targets.view(-1), ignore_index=-1, label_smoothing=0.1))
-    trained_on, reported = lm_loss(logits, targets, 0.0, 0.1)
-    torch.testing.assert_close(reported, nll)  # evaluation and bits per byte see the plain cross-entropy
-    assert not reported.requires_grad and trained_on.requires_grad
-
-
-# ---------------------------------------------------------------------------------------------------
 # Rows of different sequences in one step (a server's batch)
 
 
@@ -273,3 +231,93 @@ def test_decode_rows_steps_each_row_as_if_alone(keys):
         rows = model.decode_rows(torch.cat([seq[:, -1:] for seq in seqs]), caches)
     assert [cache.length for cache in caches] == [3, 9, 17]
     torch.testing.assert_close(rows, torch.cat([model(seq)[0][:, -1] for seq in seqs]), rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------------
+# A kind registered from outside the project: the guide's worked example, run as written there
+
+
+def guide_block(heading):
+    """The first ```python block after `heading` in docs/guide.md."""
+    text = (ROOT / "docs" / "guide.md").read_text()
+    return text[text.index(heading):].split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.fixture
+def gated_kind():
+    """The guide's OutputGatedLinearAttention, registered as "G" for one test and removed afterwards."""
+    import attention
+
+    before = dict(attention.KINDS)
+    namespace = {}
+    exec(compile(guide_block("### Adding an attention kind"), "docs/guide.md", "exec"), namespace)
+    kind = namespace["OutputGatedLinearAttention"]
+    try:
+        yield kind
+    finally:
+        attention.KINDS.clear()
+        attention.KINDS.update(before)
+
+
+def test_a_kind_registered_from_outside_runs_everywhere(gated_kind):
+    """A subclass of a registered kind with a letter of its own, from tests/ with no project file edited:
+    the model builds, its gates reach the output and get gradients, one training step runs, generation
+    with the cache equals generation without it (with a full layer beside it, and alone past block_size),
+    decode_rows equals each row alone, and its FLOPs are its parent's."""
+    import attention
+
+    assert issubclass(gated_kind, attention.KINDS["R"]) and attention.KINDS["G"] is gated_kind
+    model = build(n_layer=2, attn_pattern="LG", pos_emb="rope")
+    assert isinstance(model.blocks[1].attn, gated_kind) and model.blocks[1].attn.gate.weight.shape == (4, 32)
+    x, y = torch.randint(0, 61, (2, 12)), torch.randint(0, 61, (2, 12))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _, loss = model(x, y)
+    loss.backward()
+    assert model.blocks[1].attn.gate.weight.grad.abs().sum() > 0  # the gate is in the forward pass
+    optimizer.step()
+    assert torch.isfinite(model(x, y)[1]) and model(x, y)[1] < loss
+    model.eval()
+    prompt = torch.randint(0, 61, (2, 5))
+    for m in (model, build(n_layer=2, attn_pattern="G", pos_emb="rope")):  # the second runs past block_size
+        m.eval()
+        cached = m.generate(prompt, 40, GREEDY)
+        assert torch.equal(cached, m.generate(prompt, 40, GREEDY, use_cache=False))
+    assert model.config.context_limit == 32 and build(attn_pattern="G", pos_emb="rope").config.context_limit is None
+    seqs = [torch.randint(0, 61, (1, n)) for n in (3, 7)]
+    caches = [model.new_cache() for _ in seqs]
+    for seq, cache in zip(seqs, caches):
+        model.forward_cached(seq[:, :-1], cache)
+    rows = model.decode_rows(torch.cat([seq[:, -1:] for seq in seqs]), caches)
+    for row, seq in zip(rows, seqs):
+        torch.testing.assert_close(row, model(seq)[0][0, -1], rtol=0, atol=1e-5)
+    matmuls = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert model.flops_per_token(100) == 6 * matmuls + 12 * 32 * (100 + (64 + 8))  # L: all 100 keys; G: chunk + head
+
+
+def test_a_kind_registered_from_outside_trains_samples_and_is_refused_speculation(gated_kind, char_dataset, tmp_path):
+    """The same kind through the scripts: train.py trains and checkpoints it, sample.py samples from the
+    checkpoint, and speculative decoding refuses it in one line because its cache cannot roll back."""
+    out = tmp_path / "run"
+    trained = run_main("train.py", *TINY_RUN, "--attn_pattern=LG", "--pos_emb=rope", "--max_iters=3",
+                       f"--dataset={char_dataset}", f"--out_dir={out}")
+    assert trained.returncode == 0, trained.stderr
+    common = (f"--out_dir={out}", "--device=cpu", "--num_samples=1", "--max_new_tokens=10", "--temperature=0")
+    sampled = run_main("sample.py", *common)
+    assert sampled.returncode == 0 and sampled.stdout.strip(), sampled.stderr
+    refused = run_main("sample.py", *common, "--draft=ngram")
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "G (output-gated linear attention) layers (attn_pattern='LG'), whose cache cannot roll back" in refused.stderr
+
+
+def test_register_refuses_a_taken_or_bad_letter():
+    import attention
+
+    class Again(attention.KINDS["L"]):
+        letter = "L"
+
+    with pytest.raises(ValueError, match="attention kind 'L' is taken by FullAttention"):
+        attention.register(Again)
+    Again.letter = "LL"
+    with pytest.raises(ValueError, match="Again.letter='LL': a kind's letter is one letter"):
+        attention.register(Again)
+    assert attention.KINDS["L"] is not Again

@@ -1,6 +1,7 @@
 """bench.py measures what it says (not how fast it is)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -149,3 +150,23 @@ def test_float32_comparison_times_the_same_model_without_autocast():
                           "--dtype=bfloat16", "--compare=float32"])
     r = results["train"]
     assert r["dtype"] == "bfloat16" and r["float32_ms_per_step"] > 0 and r["speedup_vs_float32"] > 0
+
+
+def test_bench_json_is_written_atomically(tmp_path, monkeypatch):
+    """A failure while writing --json leaves the previous file whole (the write goes to a temporary file
+    that is renamed over it), as eval.py's --json."""
+    import bench
+    import dataset
+
+    path = tmp_path / "bench.json"
+    path.write_text('{"previous": true}')
+
+    def failing_dumps(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(dataset.json, "dumps", failing_dumps)
+    with pytest.raises(OSError):
+        bench.main(["train", "--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--vocab_size=32",
+                    "--batch_size=2", "--rounds=1", "--steps=1", "--warmup=0", "--device=cpu", "--dtype=float32",
+                    f"--json={path}"])
+    assert path.read_text() == '{"previous": true}' and os.listdir(tmp_path) == ["bench.json"]

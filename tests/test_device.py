@@ -1,4 +1,5 @@
-import copy
+"""device.py: the CPU's bf16 decision and its override, estimate_mfu, the CPU heap that keeps freed memory."""
+
 import os
 
 import pytest
@@ -6,8 +7,8 @@ import torch
 
 import device
 from configurator import ConfigError
-from conftest import TINY_RUN, run_main
-from optim import Muon, newton_schulz
+from conftest import TINY_RUN, build, run_main
+from device import estimate_mfu
 
 AMX = {"name": "Xeon", "capability": "AVX512", "onednn_bf16": True, "bf16_instructions": ["amx_bf16"], "threads": 2}
 AVX2 = {"name": "EPYC", "capability": "AVX2", "onednn_bf16": False, "bf16_instructions": [], "threads": 2}
@@ -77,74 +78,24 @@ def test_train_says_what_it_chose_first(tmp_path, char_dataset, monkeypatch):
     assert first.startswith("precision: float32 (chosen), Muon's Newton-Schulz in float32 | CPU SMALLGPT_BF16=0")
 
 
-# ---------------------------------------------------------------------------------------------------
-# Muon
-
-
-def muon_pair(ns_dtype, adjust_lr_fn, nesterov=True):
-    torch.manual_seed(0)
-    shapes = [(48, 16), (16, 48), (32, 32)]  # tall, wide, square
-    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
-    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
-    kwargs = dict(lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
-    return ours, theirs, Muon(ours, ns_dtype=ns_dtype, **kwargs), torch.optim.Muon(theirs, **kwargs)
-
-
-def step_both(ours, theirs, opt_ours, opt_theirs, steps=4):
-    g = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        for a, b in zip(ours, theirs):
-            grad = torch.randn(a.shape, generator=g)
-            a.grad, b.grad = grad.clone(), grad.clone()
-        opt_ours.step()
-        opt_theirs.step()
-
-
-@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
-@pytest.mark.parametrize("nesterov", [True, False])
-def test_muon_in_bf16_is_torch_muon_bit_for_bit(adjust_lr_fn, nesterov):
-    ours, theirs, opt_ours, opt_theirs = muon_pair(torch.bfloat16, adjust_lr_fn, nesterov)
-    step_both(ours, theirs, opt_ours, opt_theirs)
-    for a, b in zip(ours, theirs):
-        assert torch.equal(a, b)
-        assert torch.equal(opt_ours.state[a]["momentum_buffer"], opt_theirs.state[b]["momentum_buffer"])
-
-
-def test_muon_in_fp32_is_torch_muon_within_bf16_rounding():
-    ours, theirs, opt_ours, opt_theirs = muon_pair(torch.float32, "match_rms_adamw")
-    before = [p.detach().clone() for p in ours]
-    step_both(ours, theirs, opt_ours, opt_theirs, steps=1)
-    for a, b, p0 in zip(ours, theirs, before):
-        ours_update, torch_update = a.detach() - p0, b.detach() - p0
-        relative = (ours_update - torch_update).norm() / torch_update.norm()
-        assert 1e-6 < relative < 2e-2  # different, by about bf16's rounding, and no more
-
-
-def test_newton_schulz_in_fp32_is_closer_to_the_exact_iteration():
-    g = torch.randn(64, 24, generator=torch.Generator().manual_seed(2))
-    args = ((3.4445, -4.7750, 2.0315), 5, 1e-7)
-    exact = newton_schulz(g.double(), *args, torch.float64)
-    error = {dtype: (newton_schulz(g, *args, dtype).double() - exact).abs().max().item()
-             for dtype in (torch.float32, torch.bfloat16)}
-    assert error[torch.float32] < 1e-5 < error[torch.bfloat16]
-
-
-def test_a_torch_muon_state_resumes_in_ours():
-    """Checkpoints written with torch.optim.Muon (earlier versions) load into ours and continue alike."""
-    ours, theirs, opt_ours, opt_theirs = muon_pair(torch.bfloat16, "match_rms_adamw")
-    step_both(theirs, ours, opt_theirs, opt_ours, steps=2)  # the same steps, so the weights agree
-    fresh = [torch.nn.Parameter(p.detach().clone()) for p in theirs]
-    resumed = Muon(fresh, ns_dtype=torch.bfloat16, lr=1.0)
-    resumed.load_state_dict(copy.deepcopy(opt_theirs.state_dict()))  # as from a file: no shared buffers
-    step_both(fresh, theirs, resumed, opt_theirs, steps=2)
-    assert all(torch.equal(a, b) for a, b in zip(fresh, theirs))
-
-
 def test_measuring_leaves_the_global_rng_alone():
     """Training calls it after restoring a checkpoint's RNG state: moving it would break exact resume."""
     state = torch.get_rng_state()
     assert device.bf16_matmul_speedup(n=64, repeats=1) > 0
     assert torch.equal(torch.get_rng_state(), state)
+
+
+# ---------------------------------------------------------------------------------------------------
+# MFU
+
+
+def test_estimate_mfu():
+    model = build()
+    assert estimate_mfu(model, 1000.0, 32, device="cpu") is None
+    flops = model.flops_per_token(32)
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert flops == 6 * matmul + 12 * 2 * 32 * 32
+    assert estimate_mfu(model, 1000.0, 32, peak_flops=flops * 2000.0) == pytest.approx(0.5)
 
 
 # ---------------------------------------------------------------------------------------------------

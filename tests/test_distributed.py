@@ -1,4 +1,4 @@
-"""torchrun on CPU (gloo): DDP and FSDP2 must train exactly like one process."""
+"""train.py under torchrun on CPU (gloo): DDP and FSDP2 must train exactly like one process."""
 
 import pytest
 

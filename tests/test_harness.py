@@ -1,5 +1,4 @@
-"""eval.py --tasks: our lm-eval adapter (harness.py) against lm-eval's own Hugging Face backend on the
-export of the same weights, request by request, on local tasks the test writes (no Hub)."""
+"""harness.py (eval.py --tasks): our lm-eval adapter against lm-eval's HF backend on the export, request by request."""
 
 import json
 import random

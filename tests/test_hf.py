@@ -1,10 +1,11 @@
-"""Parity with Hugging Face transformers: tiny random-weight models built and saved locally."""
+"""hf.py: parity with Hugging Face transformers (tiny random-weight models saved locally); offline downloads."""
 
 import os
 
 import pytest
 import torch
 
+from conftest import max_logit_diff, one_error_line, run_script
 from generate import Sampling
 from model import GPT, GPTConfig
 
@@ -41,11 +42,6 @@ def saved_with_random_norms(model, tmp_path):
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(tmp_path)
     return model
-
-
-def max_logit_diff(ours, theirs, idx):
-    with torch.no_grad():
-        return (ours(idx)[0] - theirs(idx).logits).abs().max().item()
 
 
 @pytest.fixture
@@ -135,6 +131,17 @@ def test_hub_name_offline_fails_clearly(monkeypatch, tmp_path):
         GPT.from_pretrained("gpt2-medium")
 
 
+@pytest.mark.parametrize("script", ["sample.py", "train.py"])
+def test_gpt2_offline_is_one_line_naming_hf_download(script, tmp_path, char_dataset):
+    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty-cache")}
+    extra = [f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'out'}"] if script == "train.py" else []
+    result = run_script(script, "--init_from=gpt2", "--device=cpu", *extra, env=env, timeout=120)
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert "could not download 'gpt2'" in line and "hf download openai-community/gpt2" in line
+    assert "huggingface-cli" not in line
+
+
 def test_unknown_name_fails_clearly():
     with pytest.raises(ValueError, match="neither a local Hugging Face model directory nor one of gpt2"):
         GPT.from_pretrained("gtp2")
@@ -182,26 +189,3 @@ def test_sliding_window_exports_as_mistral(tmp_path):
     assert type(theirs).__name__ == "MistralForCausalLM" and theirs.config.sliding_window == WINDOW
     idx = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
     assert max_logit_diff(ours, theirs, idx) <= 3e-6
-
-
-def test_export_of_a_trained_checkpoint(tmp_path, trained_run, idx):
-    import export
-    from checkpoint import load_checkpoint, model_from_checkpoint
-
-    export.main([f"--out_dir={trained_run}", f"--hf_dir={tmp_path / 'hf'}"])
-    ours = model_from_checkpoint(load_checkpoint(f"{trained_run}/ckpt.pt"), trained_run).eval()
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
-    small = idx % ours.config.vocab_size
-    assert max_logit_diff(ours, theirs, small) <= 1e-4
-
-
-def test_export_refuses_an_inexpressible_model(tmp_path, capsys, char_dataset):
-    import export
-    import train
-    from conftest import TINY_RUN
-
-    train.main([*TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1",
-                "--warmup_iters=0", "--pos_emb=alibi"])
-    with pytest.raises(SystemExit) as exit:
-        export.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}"])
-    assert exit.value.code == 2 and "no Hugging Face equivalent" in capsys.readouterr().err

@@ -1,16 +1,43 @@
-"""interpret.py: attention maps from the forward pass, and the per-head scores on the repeated random-token
-probe, checked on a 2-layer model whose weights the test sets so that it implements induction exactly."""
+"""interpret.py: recorded attention, maps, and per-head scores checked on a hand-built 2-layer induction model."""
 
 import json
+import math
 
 import pytest
 import torch
 
 import interpret
-from conftest import TINY_RUN, read_metrics, run_main
+from conftest import TINY_RUN, build, read_metrics, run_main
 from model import GPT, GPTConfig
 
 V, T = 16, 16  # vocabulary and context of the hand-built model: probes of 8 distinct tokens, twice
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_recorded_attention_is_the_models_own_softmax(weights):
+    """interpret.recording: the largest visible score (train.py's log_stability) and, with weights=True, the
+    attention weights (interpret.py's maps): the softmax of the scores computed here from the model's own
+    projections, to 1e-6; the model's output unchanged either way."""
+    from interpret import recording
+
+    model = build(n_layer=1, pos_emb="rope")
+    idx = torch.randint(0, 61, (2, 12))
+    with recording(model, weights=weights) as found:
+        logits = model(idx)[0]
+    assert (logits - model(idx)[0]).abs().max() <= (1e-5 if weights else 0)  # recording changes nothing
+    attn = model.blocks[0].attn
+    x = model.blocks[0].norm1(model.positions.embed(model.tok_emb(idx), 0))
+    q, k, _ = attn.qkv(x).split(32, dim=-1)
+    q, k = (t.view(2, 12, 4, 8).transpose(1, 2) for t in (q, k))
+    q, k = model.positions.rotate(q, k, 0)
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(8)
+    causal = torch.ones(12, 12, dtype=torch.bool).tril()
+    assert len(found) == 1 and found[0].max_logit.item() == pytest.approx(scores[..., causal].max().item(), rel=1e-5)
+    if weights:
+        expected = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        assert (found[0].weights - expected).abs().max() <= 1e-6
+        assert torch.equal(found[0].hidden, ~causal.expand(2, 4, 12, 12))
+    assert attn.attend.__name__ == "attention_sdpa"  # restored afterwards
 
 
 def induction_model():

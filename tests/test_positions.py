@@ -1,5 +1,4 @@
-"""Positions past the training length: T5's relative bias (its buckets are transformers'), RoPE scaling
-(linear and YaRN logits equal to transformers' Llama), and running a model at a longer context."""
+"""positions.py: ALiBi slopes, T5's buckets, RoPE scaling (as transformers' Llama), running at a longer context."""
 
 import pytest
 import torch
@@ -7,13 +6,19 @@ import torch
 from conftest import TINY_RUN, run_main
 from generate import Sampling
 from model import GPT, GPTConfig
-from positions import t5_bucket
+from positions import alibi_slopes, t5_bucket
 
 
 def tiny(**overrides):
     torch.manual_seed(0)
     config = dict(block_size=32, vocab_size=61, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
     return GPT(GPTConfig(**{**config, **overrides})).eval()
+
+
+def test_alibi_slopes():
+    assert alibi_slopes(8).tolist() == [2.0 ** -(i + 1) for i in range(8)]
+    # 6 heads: the 4-head sequence, then every other slope of the 8-head one
+    assert alibi_slopes(6).tolist() == [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3]
 
 
 @pytest.mark.parametrize("buckets, max_distance", [(32, 128), (8, 20), (6, 10), (2, 2)])

@@ -1,3 +1,5 @@
+"""README.md: the CI runs its test command, its file table lists every module, its links resolve, its snippet runs."""
+
 from conftest import ROOT
 
 

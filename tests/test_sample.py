@@ -1,8 +1,10 @@
+"""sample.py: seeded text, batches, stop strings, streaming, prompts from files, refused input in one line."""
+
 import pytest
 
 import sample
 from checkpoint import load_any
-from conftest import run_main
+from conftest import fails, run_main
 
 
 def sample_config(**overrides):
@@ -53,6 +55,15 @@ def test_stream_prints_the_same_text(loaded):
         assert len(pieces) > 5  # it arrived in pieces
 
 
+def test_stream_prints_the_prompt_as_batch_mode_does(trained_run):
+    args = [f"--out_dir={trained_run}", "--start=The king", "--num_samples=1", "--seed=3", "--max_new_tokens=30",
+            "--device=cpu"]
+    batch, stream = run_main("sample.py", *args), run_main("sample.py", *args, "--stream=True")
+    assert batch.returncode == 0 and stream.returncode == 0, batch.stderr + stream.stderr
+    assert stream.stdout.startswith("The king")
+    assert stream.stdout == batch.stdout.replace("---------------\n", "")
+
+
 def test_cli_prints_prompt_and_samples(trained_run):
     result = run_main("sample.py", f"--out_dir={trained_run}", "--start=The king", "--num_samples=2",
                         "--max_new_tokens=20", "--device=cpu")
@@ -67,6 +78,16 @@ def test_int8_weights_sample(trained_run):
                         "--max_new_tokens=20", "--device=cpu", "--weights_dtype=int8")
     assert result.returncode == 0, result.stderr
     assert [s.startswith("The king") for s in result.stdout.split("---------------\n")] == [True, True, False]
+
+
+def test_backslash_escapes_in_stop_and_start(trained_run):
+    """--stop='\\n' as a shell passes it (a backslash and an n) means a newline, as in --help."""
+    result = run_main("sample.py", f"--out_dir={trained_run}", "--start=The\\nking", "--stop=\\n", "--num_samples=1",
+                        "--temperature=0", "--max_new_tokens=200", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    sample = result.stdout.split("\n---------------\n")[0]
+    assert sample.startswith("The\nking") and "\\" not in sample
+    assert "\n" not in sample[len("The\nking") :]  # cut before the first newline it generated
 
 
 def test_file_prompt(trained_run, tmp_path, loaded):
@@ -100,6 +121,22 @@ def test_bad_input_exits_2(trained_run, args, message, capsys):
     assert message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--top_p=0"], "top_p=0.0 must be in (0, 1]"),
+        (["--top_p=1.01"], "top_p=1.01 must be in (0, 1]"),
+        (["--temperature=-0.1"], "temperature=-0.1 must be >= 0"),
+        (["--max_new_tokens=0"], "max_new_tokens=0 must be >= 1"),
+        (["--num_samples=0"], "num_samples=0 must be >= 1"),
+        (["--start=\u00bfQu\u00e9?"], "characters not in the vocabulary: '\u00bf\u00e9'"),
+    ],
+)
+def test_invalid_sampling_values(capsys, trained_run, args, message):
+    code, err = fails(capsys, sample.main, f"--out_dir={trained_run}", "--device=cpu", *args)
+    assert code == 2 and message in err
+
+
 def test_crop_prompt_left_keeps_the_last_block_size_tokens(trained_run, loaded):
     """A prompt longer than block_size (32) samples, with --crop_prompt=left, what its last 32 characters do."""
     long = "The king hath spoken, and the queen doth weep at night.\n"
@@ -109,12 +146,6 @@ def test_crop_prompt_left_keeps_the_last_block_size_tokens(trained_run, loaded):
     assert result.returncode == 0, result.stderr
     assert f"the prompt is {len(long)} tokens; its first {len(long) - 32} are dropped" in result.stderr
     assert result.stdout == long + texts(loaded, long[-32:], seed=3, max_new_tokens=15)[0] + "\n---------------\n"
-
-
-def test_missing_checkpoint(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit:
-        sample.main([f"--out_dir={tmp_path}"])
-    assert exit.value.code == 2 and "no such checkpoint" in capsys.readouterr().err
 
 
 def test_llama_directory_with_its_tokenizer(tmp_path, capsys):

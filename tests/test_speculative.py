@@ -1,5 +1,4 @@
-"""Speculative decoding: greedy output token-identical to plain greedy generate, and sampled output
-distributed exactly as the target's (chi-square against the exact distribution; a broken rule fails)."""
+"""speculative.py: greedy output token-identical to plain greedy, sampled output distributed as the target's."""
 
 import itertools
 import math

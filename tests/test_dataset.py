@@ -1,5 +1,9 @@
+"""dataset.py and the data/ prepare scripts: token files, tokenizers, batches, real corpora, sharded corpora."""
+
 import json
 import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -7,7 +11,7 @@ import pytest
 import torch
 
 import train
-from conftest import SHARED_DATA, TINY_RUN, make_text, run_main, run_script
+from conftest import ROOT, SHARED_DATA, TINY_RUN, gpt2_or_skip, make_text, run_main, run_script
 from dataset import (
     HEADER,
     BatchSampler,
@@ -16,7 +20,6 @@ from dataset import (
     TokenFile,
     char_tokenizer_for,
     open_split,
-    prepare_text,
     read_meta,
     split_files,
     write_tokens,
@@ -117,51 +120,6 @@ def test_sampler_is_seeded_and_spans_shards(tmp_path):
     after = a.sample(5)[0]
     b.load_state_dict(state)
     assert torch.equal(b.sample(5)[0], after)
-
-
-def test_dataset_shorter_than_a_block_is_refused(tmp_path, capsys):
-    text = make_text(300)
-    prepare_text(text, char_tokenizer_for(text), str(tmp_path / "short"))
-    with pytest.raises(SystemExit) as exit:
-        train.main([*TINY_RUN, f"--dataset={tmp_path / 'short'}", f"--out_dir={tmp_path / 'out'}",
-                    "--block_size=64", "--max_iters=2"])
-    assert exit.value.code == 2
-    assert "val.bin: 30 tokens, fewer than block_size + 1 = 65; use a smaller block_size" in capsys.readouterr().err
-    assert not (tmp_path / "out" / "ckpt.pt").exists()
-
-
-# ---------------------------------------------------------------------------------------------------
-# Tokenizer and vocabulary mismatches
-
-
-def test_model_vocabulary_smaller_than_data_is_refused(tmp_path, char_dataset, capsys):
-    with pytest.raises(SystemExit) as exit:
-        train.main([*TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path}", "--vocab_size=20", "--max_iters=2"])
-    assert exit.value.code == 2
-    assert "has a vocabulary of 48, more than the model's vocab_size=20" in capsys.readouterr().err
-
-
-def test_resume_on_other_tokenizer_is_refused(tmp_path, char_dataset, capsys):
-    train.main([*TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'run'}", "--max_iters=2"])
-    text = make_text(20_000, seed=5).upper()
-    prepare_text(text, char_tokenizer_for(text), str(tmp_path / "upper"))
-    with pytest.raises(SystemExit) as exit:
-        train.main([f"--dataset={tmp_path / 'upper'}", f"--out_dir={tmp_path / 'run'}", "--init_from=resume"])
-    assert exit.value.code == 2
-    err = capsys.readouterr().err
-    assert "uses 30 characters '\\n !,.;?AB" in err and "was trained with 48 characters '\\n !,.;?BCD" in err
-
-
-def test_gpt2_weights_need_gpt2_tokens(tmp_path, char_dataset, capsys):
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=100, n_positions=32, n_embd=16, n_layer=1,
-                                                              n_head=2))
-    hf.save_pretrained(tmp_path / "hf")
-    with pytest.raises(SystemExit) as exit:
-        train.main([f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'run'}", f"--init_from={tmp_path / 'hf'}",
-                    "--max_iters=2", "--warmup_iters=0", "--device=cpu"])
-    assert exit.value.code == 2
-    assert "GPT-2 weights need a dataset tokenized with tiktoken gpt2" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -318,3 +276,36 @@ def test_shards_need_the_text_column(tmp_path):
     path.write_text('{"content": "hello"}\n')
     result = run_shards(tmp_path / "out", [str(path)])
     assert result.returncode != 0 and "no column 'text' in the data" in result.stderr and "--text_column" in result.stderr
+
+
+def prepare_fineweb(tmp_path, *args, env=None):
+    return run_script("data/fineweb/prepare.py", f"--out_dir={tmp_path / 'out'}", f"--cache_dir={tmp_path / 'cache'}",
+                      "--num_proc=1", *args, env=env, timeout=300)
+
+
+@pytest.mark.slow
+def test_one_text_file_is_split_into_documents(tmp_path):
+    gpt2_or_skip()
+    text = tmp_path / "one.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: the king spoke to the queen.\nA second line." for i in range(30)))
+    result = prepare_fineweb(tmp_path, "--data_files", str(text), "--val_docs=3")
+    assert result.returncode == 0, result.stderr
+    counts = [int(s.replace(",", "")) for s in result.stdout.split("train ")[1].split(" tokens")[0:1]]
+    assert counts[0] > 0 and "val 0 tokens" not in result.stdout and "complete" in result.stdout
+    # all of it held out: refused, with the way out, and no meta.json claiming a dataset
+    result = prepare_fineweb(tmp_path / "again", "--data_files", str(text))
+    assert result.returncode != 0
+    assert "30 documents and --val_docs=2000 would hold out all of them" in result.stderr
+    assert not (tmp_path / "again" / "out" / "meta.json").exists()
+
+
+def test_hub_prepare_without_network_fails_at_once_naming_data_files(tmp_path):
+    gpt2_or_skip()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") or k == "HF_HOME"}
+    started = time.perf_counter()
+    result = subprocess.run([sys.executable, "data/fineweb/prepare.py", f"--out_dir={tmp_path / 'out'}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120, env={**env, "HF_HOME": str(tmp_path / "hf")})
+    if result.returncode == 0:
+        pytest.skip("this machine reaches the Hugging Face Hub")
+    assert time.perf_counter() - started < 30
+    assert "--data_files" in result.stderr and "Traceback" not in result.stderr

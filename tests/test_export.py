@@ -1,0 +1,157 @@
+"""export.py: a run as a Hugging Face folder that transformers loads, with our tokenizer, greedy text and scores."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from conftest import TINY_RUN, gpt2_or_skip, max_logit_diff, run_main, run_script
+
+transformers = pytest.importorskip("transformers", reason="export tests need transformers (requirements-dev.txt)")
+
+VOCAB = 97
+
+
+@pytest.fixture
+def idx():
+    return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def greedy_sample(*args):
+    result = run_main("sample.py", *args, "--start=The king", "--num_samples=1", "--temperature=0",
+                        "--max_new_tokens=20", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split("\n---------------\n")[0]
+
+
+def assert_export_scores_as_run(tmp_path, hf_dir, run, source):
+    """eval.py on the export and on the run it came from, over source (--text=... or --dataset=...): the
+    same bytes, and bits per byte equal to 1e-5."""
+    scored = {}
+    for name, model in (("export", f"--init_from={hf_dir}"), ("run", f"--out_dir={run}")):
+        result = run_main("eval.py", model, source, "--device=cpu", "--dtype=float32", f"--json={tmp_path / name}.json")
+        assert result.returncode == 0, result.stderr
+        scored[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert scored["export"]["bits_per_byte"] == pytest.approx(scored["run"]["bits_per_byte"], rel=1e-5)
+    assert scored["export"]["bytes"] == scored["run"]["bytes"] > 0
+
+
+@pytest.mark.slow
+def test_export_round_trip_gpt2_bpe(tmp_path):
+    """GPT-2-shaped BPE model -> export.py -> transformers' AutoTokenizer + AutoModelForCausalLM: the same
+    greedy text as sample.py, and sample.py --init_from=<export> gives it too."""
+    transformers = pytest.importorskip("transformers")
+    gpt2_or_skip()
+    from conftest import make_text
+    from dataset import TiktokenTokenizer, prepare_text
+
+    prepare_text(make_text(20_000), TiktokenTokenizer("gpt2"), str(tmp_path / "data"))
+    out, hf_dir = tmp_path / "run", tmp_path / "hf"
+    trained = run_main("train.py", *TINY_RUN, f"--dataset={tmp_path / 'data'}", f"--out_dir={out}", "--max_iters=3")
+    assert trained.returncode == 0, trained.stderr
+    # offline without tiktoken's files: one line and nothing written (it was 50 lines and weights alone)
+    offline = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty"), "HTTPS_PROXY": "http://127.0.0.1:9", "HTTP_PROXY": "http://127.0.0.1:9"}
+    refused = run_script("export.py", f"--out_dir={out}", f"--hf_dir={hf_dir}", env=offline)
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1 and "TIKTOKEN_CACHE_DIR" in lines[0], refused.stderr[-2000:]
+    assert not hf_dir.exists()
+    exported = run_main("export.py", f"--out_dir={out}", f"--hf_dir={hf_dir}")
+    assert exported.returncode == 0 and "GPT-2's BPE" in exported.stdout, exported.stderr
+    ours = greedy_sample(f"--out_dir={out}")
+    assert greedy_sample(f"--init_from={hf_dir}") == ours
+    text = tmp_path / "text.txt"
+    text.write_text(make_text(2_000, seed=3))
+    assert_export_scores_as_run(tmp_path, hf_dir, out, f"--text={text}")
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    ids = tokenizer("The king", return_tensors="pt").input_ids
+    assert ids[0].tolist() == TiktokenTokenizer("gpt2").encode("The king")
+    generated = model.generate(ids, attention_mask=ids.new_ones(ids.shape), max_new_tokens=20, min_new_tokens=20,
+                               do_sample=False, pad_token_id=0)
+    assert tokenizer.decode(generated[0]) == ours
+
+
+def test_export_of_a_character_model_has_a_tokenizer_transformers_loads(tmp_path, trained_run, char_dataset):
+    transformers = pytest.importorskip("transformers")
+    hf_dir = tmp_path / "hf"
+    exported = run_main("export.py", f"--out_dir={trained_run}", f"--hf_dir={hf_dir}")
+    assert exported.returncode == 0 and "character vocabulary" in exported.stdout, exported.stderr
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    from checkpoint import load_model
+    from dataset import tokenizer_from_meta
+
+    ours = tokenizer_from_meta(load_model(trained_run)[1]["tokenizer"])
+    text = "The king speak thou\nnoble heart."
+    assert tokenizer.encode(text, add_special_tokens=False) == ours.encode(text) != []
+    assert tokenizer.decode(ours.encode(text)) == text
+    assert greedy_sample(f"--init_from={hf_dir}") == greedy_sample(f"--out_dir={trained_run}")
+    # no end-of-text token in a character vocabulary: none named in config.json (it said GPT-2's 50256)
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["bos_token_id"] is None and config["eos_token_id"] is None
+    assert (hf_dir / "model.safetensors").stat().st_mode & 0o044 == 0o044  # readable by others, as config.json
+    # a character outside the vocabulary: one line, as from the checkpoint (it was a tokenizers traceback)
+    for source in (f"--init_from={hf_dir}", f"--out_dir={trained_run}"):
+        refused = run_main("sample.py", source, "--start=The \u00bf", "--num_samples=1", "--max_new_tokens=5", "--device=cpu")
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+            "error: characters not in the vocabulary: '¿'; a character-level model knows only the "
+            f"{ours.vocab_size} characters of its training text"], refused.stderr
+    # bits per byte of the export on the run's own dataset: the checkpoint's figure (it was refused)
+    assert_export_scores_as_run(tmp_path, hf_dir, trained_run, f"--dataset={char_dataset}")
+
+
+def test_own_bpe_end_to_end(tmp_path, bpe_run):
+    """data/prepare.py --tokenizer=bpe:N -> train -> sample -> eval's bits per byte -> export: transformers'
+    tokenizer gives our ids and the export our greedy text and figures."""
+    transformers = pytest.importorskip("transformers")
+    from checkpoint import load_model
+    from dataset import BPETokenizer, read_meta, tokenizer_from_meta
+
+    data, run = bpe_run
+    meta = read_meta(data)
+    ours = tokenizer_from_meta(meta["tokenizer"])
+    assert isinstance(ours, BPETokenizer) and meta["vocab_size"] == ours.vocab_size == 400
+    assert open(os.path.join(data, "tokenizer.json")).read() == ours.json
+    assert load_model(run)[1]["tokenizer"] == meta["tokenizer"]  # the checkpoint carries the whole tokenizer
+    # learned from the train split only: a train word is one token, the val split's words stay in pieces
+    from conftest import WORDS
+
+    assert all(len(ours.encode(" " + w)) == 1 for w in WORDS)
+    assert all(len(ours.encode(" " + w)) >= 4 for w in ("zebra", "quokka", "axolotl"))
+    text = "The king said: \u00bfqu\u00e9?  \U0001F600\n\nend"  # byte-level: no character is unknown
+    assert ours.decode(ours.encode(text)) == text
+
+    hf_dir = tmp_path / "hf"
+    exported = run_main("export.py", f"--out_dir={run}", f"--hf_dir={hf_dir}")
+    assert exported.returncode == 0 and "BPE of 400 tokens" in exported.stdout, exported.stderr
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    assert tokenizer.encode(text, add_special_tokens=False) == ours.encode(text)
+    assert tokenizer.decode(ours.encode(text)) == text
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["eos_token_id"] == config["bos_token_id"] == ours.eot_token == 0
+    assert greedy_sample(f"--init_from={hf_dir}") == greedy_sample(f"--out_dir={run}") != ""
+    assert_export_scores_as_run(tmp_path, hf_dir, run, f"--dataset={data}")
+
+
+def test_export_of_a_trained_checkpoint(tmp_path, trained_run, idx):
+    import export
+    from checkpoint import load_checkpoint, model_from_checkpoint
+
+    export.main([f"--out_dir={trained_run}", f"--hf_dir={tmp_path / 'hf'}"])
+    ours = model_from_checkpoint(load_checkpoint(f"{trained_run}/ckpt.pt"), trained_run).eval()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    small = idx % ours.config.vocab_size
+    assert max_logit_diff(ours, theirs, small) <= 1e-4
+
+
+def test_export_refuses_an_inexpressible_model(tmp_path, capsys, char_dataset):
+    import export
+    import train
+    from conftest import TINY_RUN
+
+    train.main([*TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'run'}", "--max_iters=1",
+                "--warmup_iters=0", "--pos_emb=alibi"])
+    with pytest.raises(SystemExit) as exit:
+        export.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}"])
+    assert exit.value.code == 2 and "no Hugging Face equivalent" in capsys.readouterr().err

@@ -1,0 +1,154 @@
+"""generate.py: Sampling, filter_logits, sample_next, next_logits and the decode loop (generate, stream)."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import build
+from generate import Sampling, filter_logits, next_logits, sample_next
+
+SCHEMES = ["learned", "rope", "sinusoidal", "alibi", "t5", "none"]
+
+GREEDY = Sampling(temperature=0)
+
+
+@pytest.mark.parametrize("pos_emb", SCHEMES)
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_cached_generation_equals_uncached(pos_emb, qk_norm):
+    model = build(pos_emb=pos_emb, qk_norm=qk_norm, n_kv_head=2)
+    prompt = torch.randint(0, 61, (2, 5))
+    # 40 new tokens run past block_size=32, where both paths recompute the last 32 tokens
+    runs = []
+    for use_cache in (True, False):
+        g = torch.Generator().manual_seed(123)
+        runs.append(model.generate(prompt, 40, Sampling(temperature=1.0, top_k=20), use_cache=use_cache, generator=g))
+    assert runs[0].shape == (2, 45)
+    assert torch.equal(runs[0], runs[1])
+    # the cache's last-position logits equal the full forward's
+    seq = runs[0][:, :30]
+    cache = model.new_cache(32)
+    model(seq[:, :20], kv_cache=cache)
+    for t in range(20, 30):
+        step_logits = model(seq[:, t : t + 1], kv_cache=cache)[0][:, -1]
+        torch.testing.assert_close(step_logits, model(seq[:, : t + 1])[0][:, -1], rtol=0, atol=1e-5)
+
+
+def test_long_prompt_is_cropped_like_uncached():
+    """Past block_size (32) a step sees the last 32 tokens alone. generate(), with the cache and without, equals
+    a naive loop that runs the model without a cache on the last block_size tokens and takes the argmax, and
+    next_logits equals that forward's logits at every step (a random model's argmax seldom notices a window
+    one token off; its logits do, by about 5e-3): for a prompt longer than block_size, cropped from the first
+    step, and for a shorter one that grows past it (the cache first, then the cropped recompute)."""
+    model = build(pos_emb="rope")
+    block_size = model.config.block_size
+    assert model.config.context_limit == block_size  # full attention: past block_size the window is recomputed
+
+    def naive_logits(seq):
+        with torch.no_grad():
+            return model(seq[:, -block_size:])[0][:, -1]
+
+    for length, steps in ((50, 5), (20, 30)):
+        prompt = torch.randint(0, 61, (2, length))
+        expected = prompt
+        for _ in range(steps):
+            expected = torch.cat([expected, naive_logits(expected).argmax(-1, keepdim=True)], dim=1)
+        for use_cache in (True, False):
+            generated = model.generate(prompt, steps, GREEDY, use_cache=use_cache)
+            assert torch.equal(generated, expected), (length, use_cache)
+            cache = model.new_cache() if use_cache else None
+            for end in range(length, length + steps):
+                torch.testing.assert_close(next_logits(model, expected, end, cache), naive_logits(expected[:, :end]),
+                                           rtol=0, atol=1e-5, msg=lambda m: f"prompt {length}, cache {use_cache}, "
+                                           f"length {end}: {m}")
+
+
+def test_eos_rows_stop_and_pad():
+    model = build()
+    prompt = torch.randint(0, 61, (3, 4))
+    free = model.generate(prompt, 12, GREEDY)
+    eos = int(free[1, 6])  # the token row 1 emits at its third step
+    stopped = model.generate(prompt, 12, GREEDY, eos_token_id=eos)
+    for row in range(3):  # every row is either still free-running or padded with eos after its first eos
+        hits = (free[row, 4 : stopped.size(1)] == eos).nonzero()
+        end = hits[0].item() + 5 if len(hits) else stopped.size(1)
+        assert torch.equal(stopped[row, :end], free[row, :end])
+        assert (stopped[row, end:] == eos).all()
+
+
+def test_generation_stops_when_all_rows_done():
+    model = build()
+    prompt = torch.randint(0, 61, (1, 4))
+    first = int(model.generate(prompt, 1, GREEDY)[0, -1])
+    out = model.generate(prompt, 10, GREEDY, eos_token_id=first)
+    assert out.shape == (1, 5)
+
+
+def test_greedy_is_temperature_zero():
+    model = build()
+    prompt = torch.randint(0, 61, (2, 4))
+    out = model.generate(prompt, 6, GREEDY)
+    idx = prompt
+    for _ in range(6):
+        idx = torch.cat([idx, model(idx)[0][:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, idx)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sampling
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=0), "max_new_tokens=0 must be >= 1"),
+        (dict(temperature=-0.5), "temperature=-0.5 must be >= 0"),
+        (dict(top_p=0.0), "top_p=0.0 must be in (0, 1]"),
+        (dict(top_p=1.5), "top_p=1.5 must be in (0, 1]"),
+        (dict(top_k=0), "top_k=0 must be >= 1"),
+    ],
+)
+def test_bad_sampling_arguments(kwargs, message):
+    args = dict(max_new_tokens=3) | kwargs
+    with pytest.raises(ValueError) as err:
+        build().generate(torch.zeros(1, 2, dtype=torch.long), args.pop("max_new_tokens"), Sampling(**args))
+    assert message in str(err.value)
+
+
+def test_top_k_keeps_exactly_k_largest():
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0, 0.0]])
+    kept = torch.isfinite(filter_logits(logits, top_k=3))
+    assert kept.tolist() == [[False, True, True, True, False, False]]
+    assert torch.equal(filter_logits(logits, top_k=6), logits)
+
+
+def test_top_p_keeps_smallest_nucleus():
+    probs = torch.tensor([[0.05, 0.5, 0.2, 0.25]])
+    logits = probs.log()
+    keep = lambda p: torch.isfinite(filter_logits(logits, top_p=p)).tolist()[0]  # noqa: E731
+    assert keep(0.5) == [False, True, False, False]  # 0.5 alone reaches 0.5
+    assert keep(0.6) == [False, True, False, True]  # 0.5 + 0.25
+    assert keep(0.75) == [False, True, False, True]
+    assert keep(0.76) == [False, True, True, True]
+    assert keep(0.96) == [True, True, True, True]
+    assert keep(0.01) == [False, True, False, False]  # the most likely token is always kept
+    assert keep(1.0) == [True, True, True, True]
+
+
+def test_sampling_follows_filtered_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(4000, 1)
+    g = torch.Generator().manual_seed(0)
+    draws = sample_next(logits, Sampling(temperature=1.0, top_k=2), g)[:, 0]
+    assert set(draws.tolist()) == {2, 3}
+    share = (draws == 3).float().mean().item()
+    assert share == pytest.approx(math.e / (1 + math.e), abs=0.03)
+
+
+def test_per_row_generators_match_single_rows():
+    model = build()
+    prompt = torch.randint(0, 61, (1, 4)).repeat(4, 1)
+    batch = model.generate(prompt, 15, generator=[torch.Generator().manual_seed(100 + i) for i in range(4)])
+    for i in range(4):
+        single = model.generate(prompt[:1], 15, generator=torch.Generator().manual_seed(100 + i))
+        assert torch.equal(batch[i : i + 1], single)
+    assert len({tuple(row.tolist()) for row in batch}) > 1

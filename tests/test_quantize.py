@@ -1,0 +1,128 @@
+"""quantize.py: one-row products (RowLinear), bf16 inference weights (for_inference), int8 weights (Int8Linear)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import quantize
+from configurator import ConfigError
+from generate import Sampling
+from model import GPT, GPTConfig
+from quantize import Int8Linear, for_inference, quantize_int8
+
+GREEDY = Sampling(temperature=0)
+
+
+@pytest.mark.parametrize("product", list(quantize.ROW_PRODUCTS))
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_linear_computes_what_linear_does(bias, dtype, product):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 40, bias=bias).to(dtype)
+    if quantize.time_row_products([(linear.weight.detach(), linear.bias)], rounds=1)[product] == 0.0:
+        pytest.skip(f"{product} cannot run {dtype} on this CPU (oneDNN has no bf16 inner product without AVX512-BF16)")
+    row = quantize.row_linear(linear, product)
+    exact = lambda x: F.linear(x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double())
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.02, rtol=0.02)
+    for shape in [(1, 1, 96), (1, 96), (96,), (2, 3, 96)]:  # one row (the chosen product), then several (F.linear)
+        x = torch.randn(shape).to(dtype)
+        y = row(x)
+        assert y.shape == (*shape[:-1], 40) and y.dtype == dtype
+        torch.testing.assert_close(y.double(), exact(x), **tolerance)
+
+
+@pytest.mark.parametrize("speeds, chosen", [
+    (dict(linear=45, addmv=44, mv=46, onednn=29), "linear"),  # MKL at memory speed (Intel): kept
+    (dict(linear=10.7, addmv=11.1, mv=11.1, onednn=15.2), "onednn"),  # MKL's generic path (measured, AMD EPYC)
+    (dict(linear=12.6, addmv=11.0, mv=11.8, onednn=13.0), "linear"),  # a near tie stays with the earlier one
+    (dict(linear=4.0, addmv=2.5, mv=9.0, onednn=3.0), "mv"),  # bf16 without fast bf16: mv, the bias after it
+    (dict(linear=4.0, addmv=9.0, mv=9.5, onednn=3.0), "addmv"),  # bf16 on AMX: the fused bias, not a near tie
+])  # fmt: skip
+def test_the_row_product_changes_only_for_a_clear_gain(speeds, chosen):
+    assert quantize.pick_row_product(speeds) == chosen
+
+
+def test_row_product_is_measured_once_and_can_be_set(monkeypatch):
+    monkeypatch.setattr(quantize, "_chosen", {})
+    linears = [(torch.randn(64, 32, dtype=torch.float16), None)]
+    monkeypatch.setenv(quantize.ROW_OVERRIDE, "mv")
+    assert quantize.row_product(linears) == "mv" and "mv (SMALLGPT_ROW_PRODUCT)" in quantize.row_product_choices()["float16"]
+    monkeypatch.setenv(quantize.ROW_OVERRIDE, "onednn")
+    assert quantize.row_product(linears) == "mv"  # decided once per process and dtype
+    monkeypatch.setattr(quantize, "_chosen", {})
+    monkeypatch.setenv(quantize.ROW_OVERRIDE, "blas")
+    with pytest.raises(ConfigError, match="SMALLGPT_ROW_PRODUCT='blas': use one of linear, addmv, mv, onednn, or unset it"):
+        quantize.row_product(linears)
+    monkeypatch.delenv(quantize.ROW_OVERRIDE)
+    chosen = quantize.row_product(linears)
+    speeds = quantize._chosen[torch.float16][1]
+    assert set(speeds) == set(quantize.ROW_PRODUCTS) and speeds["linear"] > 0 and speeds[chosen] > 0
+    # a product this build cannot run for a dtype (oneDNN has no fp16 inner product on many CPUs) scores 0
+    monkeypatch.setitem(quantize.ROW_PRODUCTS, "onednn", lambda *args: torch.ops.mkldnn.no_such_op(*args))
+    assert quantize.time_row_products(linears, rounds=1)["onednn"] == 0.0
+
+
+@pytest.mark.parametrize("arch", [dict(), dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2,
+                                                tie_embeddings=False)], ids=["gpt2", "llama"])
+def test_bf16_inference_decodes_like_the_uncached_bf16_forward(arch):
+    torch.manual_seed(0)
+    model = for_inference(GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=100, **arch)), "bfloat16")
+    assert not model.training and all(p.dtype == torch.bfloat16 for p in model.parameters())
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is quantize.RowLinear for m in linears)
+    assert len({m.product for m in linears}) == 1
+    assert (model.lm_head.weight is model.tok_emb.weight) == model.config.tie_embeddings
+    idx = torch.randint(100, (1, 20))
+    with torch.no_grad():
+        reference = model(idx)[0].float()  # no cache: every position through F.linear and fp32 attention
+        cache = model.new_cache()
+        model(idx[:, :12], kv_cache=cache)  # prefill, then one token at a time: matrix-vector products, bf16 attention
+        for t in range(12, 20):
+            step = model(idx[:, t : t + 1], kv_cache=cache)[0][0, -1].float()
+            # bf16 rounding moves these logits by at most 0.4% of the largest; a key left out moves them by 2-6%
+            torch.testing.assert_close(step, reference[0, t], atol=0.01 * reference.abs().max().item(), rtol=0)
+    assert type(for_inference(GPT(model.config), "float32").lm_head) is quantize.RowLinear
+    assert type(for_inference(GPT(model.config), "int8").lm_head) is Int8Linear
+
+
+# ---------------------------------------------------------------------------------------------------
+# int8
+
+
+def test_int8_linear_is_within_half_a_step_per_weight_and_its_two_paths_agree():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    q = Int8Linear(linear)
+    dequantised = q.weight.float() * q.scale.float()[:, None]
+    step = linear.weight.abs().amax(dim=1, keepdim=True) / 127
+    scale_rounding = (linear.weight.abs() + step) * 2**-8  # the scales are bf16
+    assert ((dequantised - linear.weight).abs() <= step / 2 + scale_rounding).all()
+    assert ((dequantised - linear.weight).abs() > step / 4).any()  # it is quantised, not a copy
+    x = torch.randn(3, 40, 64)  # 120 rows: the dequantised bf16 path
+    reference = F.linear(x.bfloat16(), dequantised.bfloat16(), q.bias).float()
+    torch.testing.assert_close(q(x), reference, atol=0.03, rtol=0.02)
+    for row in range(0, 120, 40):  # one row at a time: the int8 kernel
+        torch.testing.assert_close(q(x.view(-1, 64)[row : row + 1]), reference.view(-1, 48)[row : row + 1],
+                                   atol=0.03, rtol=0.02)
+    assert q(x).dtype == torch.float32 and q(x).shape == (3, 40, 48)
+
+
+@pytest.mark.parametrize("arch", [dict(), dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2,
+                                                tie_embeddings=False)], ids=["gpt2", "llama"])
+def test_int8_model_stays_close_to_the_float_model(arch):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=100, **arch)).eval()
+    idx = torch.randint(100, (2, 24))
+    with torch.no_grad():
+        reference = model(idx)[0]
+    quantized = GPT(model.config)
+    quantized.load_state_dict(model.state_dict())
+    assert quantize_int8(quantized) is quantized and not quantized.training
+    assert not any(isinstance(m, torch.nn.Linear) for m in quantized.modules())
+    assert quantized.tok_emb.weight.dtype == torch.float32  # the lookup table is left as it is
+    with torch.no_grad():
+        for rows in (idx, idx[:1, :8]):  # the prefill path, then the int8 kernel
+            error = (quantized(rows)[0] - reference[: rows.size(0), : rows.size(1)]).abs().max()
+            assert error < 0.1 * reference.std(), (error, reference.std())
+    tokens = quantized.generate(idx[:1, :4], 10, GREEDY)
+    assert tokens.shape == (1, 14) and tokens.max() < 100
