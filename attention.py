@@ -13,7 +13,8 @@ code asks a kind only through this protocol (defaults in Attention), never by it
   keys_per_query(config, seq_len)   how many keys a query meets: FLOPs and MFU (GPT.flops_per_token)
   softmax                   True when it forms softmax weights (interpret.py records them through attend)
   exports_as                what transformers calls this attention, when it is exactly that: "full" (Llama,
-                            GPT-2), "window" (Mistral), or None; a subclass that changes the math sets None
+                            GPT-2), "window" (Mistral), or None; never inherited (register() sets None on a
+                            class that does not declare it), so a subclass that changes the math exports as nothing
   Cache                     its cache class, which says whether it can roll back (rewinds: speculative
                             decoding) and whether its size is bounded (bounded: a model whose every layer is
                             bounded runs past block_size, with relative positions); new_cache(max_len) makes one
@@ -123,7 +124,8 @@ class Attention(nn.Module):
 
     @classmethod
     def mask(cls, config, positions, start, T, device):
-        return None
+        """Every key up to the query's own, with the position scheme's bias (ALiBi, T5) if it has one."""
+        return positions.attn_bias(start, T, 0, start + T)
 
     @classmethod
     def keys_per_query(cls, config, seq_len):
@@ -219,10 +221,6 @@ class FullAttention(Attention):
         super().__init__(config)
         self.attend = KERNELS[config.attn_impl]
 
-    @classmethod
-    def mask(cls, config, positions, start, T, device):
-        return positions.attn_bias(start, T, 0, start + T)
-
     def new_cache(self, max_len):
         return self.Cache(max_len)
 
@@ -278,8 +276,8 @@ class SlidingWindowAttention(FullAttention):
     @classmethod
     def check(cls, config):
         if config.attn_window is None:
-            raise ValueError(f"GPTConfig.attn_pattern={config.attn_pattern!r} has sliding-window layers (S): set "
-                             "attn_window, the tokens each query sees (itself included)")
+            raise ValueError(f"GPTConfig.attn_pattern={config.attn_pattern!r} has sliding-window layers ({cls.letter}): "
+                             "set attn_window, the tokens each query sees (itself included)")
         if config.attn_window < 1:
             raise ValueError(f"GPTConfig.attn_window={config.attn_window} must be a positive integer")
 
@@ -322,7 +320,7 @@ class LinearState:
 
     def rewind(self, n):
         if n != self.end:
-            raise ValueError(f"a linear-attention (R) layer's state sums positions 0..{self.end - 1} and cannot "
+            raise ValueError(f"a linear-attention layer's state sums positions 0..{self.end - 1} and cannot "
                              f"roll back to {n}")
 
     def nbytes(self, length):
@@ -348,12 +346,16 @@ class LinearAttention(Attention):
     @classmethod
     def check(cls, config):
         if config.pos_emb in ("alibi", "t5"):
-            raise ValueError(f"GPTConfig.attn_pattern={config.attn_pattern!r} has linear-attention layers (R), which "
+            raise ValueError(f"GPTConfig.attn_pattern={config.attn_pattern!r} has linear-attention layers ({cls.letter}), which "
                              f"never form the score matrix that pos_emb={config.pos_emb!r} adds its bias to; use rope, "
                              "learned, sinusoidal or none")
         if config.rope_scaling != "none":
-            raise ValueError(f"GPTConfig.attn_pattern={config.attn_pattern!r} has linear-attention layers (R), whose "
+            raise ValueError(f"GPTConfig.attn_pattern={config.attn_pattern!r} has linear-attention layers ({cls.letter}), whose "
                              f"RoPE is not scaled; rope_scaling={config.rope_scaling!r} is for softmax attention only")
+
+    @classmethod
+    def mask(cls, config, positions, start, T, device):
+        return None  # no score matrix to mask: causality is the running sum's
 
     @classmethod
     def keys_per_query(cls, config, seq_len):
@@ -404,8 +406,11 @@ KINDS = {}
 
 def register(kind):
     """Adds an attention kind (an Attention subclass with its own letter) to KINDS; returns it, so it can
-    decorate the class. A letter already taken is refused."""
+    decorate the class. A letter already taken is refused; exports_as is the class's own (None unless it
+    declares one)."""
     letter = kind.letter
+    if "exports_as" not in vars(kind):  # a subclass may change the math: it claims a transformers twin itself
+        kind.exports_as = None
     if not (isinstance(letter, str) and len(letter) == 1 and letter.isalpha()):
         raise ValueError(f"{kind.__name__}.letter={letter!r}: a kind's letter is one letter")
     if KINDS.get(letter, kind) is not kind:
@@ -444,6 +449,11 @@ def check(config):
                              f"{users} layer to use it: add {users} to the pattern or leave {key} unset")
     for letter in dict.fromkeys(pattern):
         KINDS[letter].check(config)
+
+
+def letters_exported_as(name):
+    """The letters whose kind is exactly transformers' attention `name` ("full", "window")."""
+    return [letter for letter, kind in KINDS.items() if kind.exports_as == name]
 
 
 def kinds_of(config):

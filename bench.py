@@ -32,7 +32,7 @@ from checkpoint import load_any
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import write_json
 from generate import Sampling
-from model import MODEL_CHOICES, MODEL_HELPS, GPT, ModelKeys, lm_loss, model_config
+from model import MODEL_CHOICES, GPT, ModelKeys, lm_loss, model_config, model_helps
 from optim import OPTIMIZERS, build_optimizers
 from quantize import ROW_PRODUCTS, WEIGHTS_DTYPES, Int8Linear, RowLinear, for_inference, row_product_choices
 from device import COMPUTE_DTYPES, DEVICES, autocast, cpu_facts, cuda_peak_flops, estimate_mfu, pick_device, pick_dtype, precision
@@ -71,7 +71,7 @@ GREEDY = Sampling(temperature=0)
 
 
 def config_keys():
-    return keys_of(BenchConfig, BENCH_CHOICES, helps=MODEL_HELPS, base=ModelKeys)
+    return keys_of(BenchConfig, BENCH_CHOICES, helps=model_helps(), base=ModelKeys)
 
 
 # ----------------------------------------------------------------------------------------------------

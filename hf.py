@@ -152,8 +152,9 @@ def hf_family(config):
     raise PretrainedError(
         "this config has no Hugging Face equivalent: GPT-2 needs pos_emb='learned', norm='layernorm', "
         "mlp='gelu', n_kv_head=n_head, qk_norm=False; Llama needs pos_emb='rope', norm='rmsnorm', "
-        "mlp='swiglu', bias=False, qk_norm=False; both need attn_pattern='L' and norm_placement='pre' "
-        "(Mistral: Llama with attn_pattern='S') "
+        "mlp='swiglu', bias=False, qk_norm=False; both need norm_placement='pre' and every layer full attention "
+        f"(attn_pattern of {'/'.join(attention.letters_exported_as('full'))}) (Mistral: Llama whose every layer is a "
+        f"sliding window, {'/'.join(attention.letters_exported_as('window'))}) "
         f"(got pos_emb={c.pos_emb!r}, norm={c.norm!r}, mlp={c.mlp!r}, bias={c.bias}, qk_norm={c.qk_norm}, "
         f"n_kv_head={c.n_kv_head}, n_head={c.n_head}, attn_pattern={c.attn_pattern!r}, "
         f"norm_placement={c.norm_placement!r})"
@@ -319,7 +320,7 @@ def mistral_config(hf, directory):
     """Mistral is Llama whose every layer attends over the last sliding_window tokens (None: all of them)."""
     config = llama_config(hf, directory)
     window = hf.get("sliding_window")
-    return replace(config, attn_pattern=attention.SlidingWindowAttention.letter, attn_window=window) if window else config
+    return replace(config, attn_pattern=attention.letters_exported_as("window")[0], attn_window=window) if window else config
 
 
 def mistral_hf_config(config):

@@ -1,5 +1,6 @@
 """
-A GPT language model: the network. Reads top to bottom: config, norms, MLPs, block, loss, model.
+A GPT language model: the network. Reads top to bottom: config, MLPs, block, loss, model (the norms'
+make_norm is attention.py's, which QK-norm uses too).
 
 Features (each chosen once, in GPTConfig):
 - positions: learned | rope (linear or YaRN scaling) | sinusoidal | alibi | t5 | none (positions.py)
@@ -65,7 +66,7 @@ class ModelKeys:
     z_loss: float = 0.0  # coefficient of mean(logsumexp(logits)^2) added to the loss; 0 = off
     label_smoothing: float = 0.0  # training loss only (val loss and bits per byte stay plain cross-entropy); 0 = off
     attn_impl: str = "sdpa"  # sdpa | explicit (the reference masked softmax)
-    attn_pattern: str = "L"  # a letter per layer, tiled (attention.KINDS; --help lists them: MODEL_HELPS)
+    attn_pattern: str = "L"  # a letter per layer, tiled (attention.KINDS; --help lists them: model_helps)
     attn_window: Optional[int] = None  # S layers: a query sees itself and the attn_window - 1 tokens before it
     norm_placement: str = "pre"  # pre: x + f(norm(x)) | post: norm(x + f(x)), the 2017 block (no final norm)
 
@@ -140,7 +141,9 @@ def model_config(keys):
     return GPTConfig(**{k: getattr(keys, k) for k in MODEL_KEYS})
 
 
-MODEL_HELPS = {"attn_pattern": attention.pattern_help()}  # --help texts made from the registries
+def model_helps():
+    """--help texts made from the registries when --help runs (a kind registered after import included)."""
+    return {"attn_pattern": attention.pattern_help()}
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pic
 from device import autocast as autocast_for
 from hf import uses_gpt2_tokenizer
 from interpret import best, head_scores, recording
-from model import MODEL_CHOICES, MODEL_HELPS, MODEL_KEYS, GPT, GPTConfig, ModelKeys, lm_loss, model_config
+from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, ModelKeys, lm_loss, model_config, model_helps
 from optim import OPTIMIZERS, build_optimizers, clip_gradients, get_lr
 
 @dataclass
@@ -80,7 +80,7 @@ VOCAB_HELP = "vocabulary size; default: the dataset's (pad it, e.g. to 50304, fo
 
 
 def config_keys():
-    return keys_of(TrainConfig, TRAIN_CHOICES, helps={**MODEL_HELPS, "vocab_size": VOCAB_HELP}, base=ModelKeys,
+    return keys_of(TrainConfig, TRAIN_CHOICES, helps={**model_helps(), "vocab_size": VOCAB_HELP}, base=ModelKeys,
                    shown={"vocab_size": "dataset's"})
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attention import linear_attention_chunk
-from conftest import ROOT, TINY_RUN, build, run_main
+from conftest import ROOT, TINY_RUN, build, run_main, tiny
 from generate import Sampling, next_logits
 from model import GPT, GPTConfig
 
@@ -283,6 +283,9 @@ def test_a_kind_registered_from_outside_runs_everywhere(gated_kind):
         cached = m.generate(prompt, 40, GREEDY)
         assert torch.equal(cached, m.generate(prompt, 40, GREEDY, use_cache=False))
     assert model.config.context_limit == 32 and build(attn_pattern="G", pos_emb="rope").config.context_limit is None
+    import train
+
+    assert "G output-gated linear attention" in next(k.help for k in train.config_keys() if k.name == "attn_pattern")
     seqs = [torch.randint(0, 61, (1, n)) for n in (3, 7)]
     caches = [model.new_cache() for _ in seqs]
     for seq, cache in zip(seqs, caches):
@@ -317,6 +320,16 @@ def test_register_refuses_a_taken_or_bad_letter():
 
     with pytest.raises(ValueError, match="attention kind 'L' is taken by FullAttention"):
         attention.register(Again)
+    Again.letter = "Q"  # a subclass may change the math: it exports as nothing unless it says otherwise
+    try:
+        attention.register(Again)
+        assert Again.exports_as is None and attention.KINDS["L"].exports_as == "full"
+        from hf import family
+
+        assert family(tiny(attn_pattern="Q", pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False)) is None
+        assert family(tiny(attn_pattern="L", pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False)) == "llama"
+    finally:
+        del attention.KINDS["Q"]
     Again.letter = "LL"
     with pytest.raises(ValueError, match="Again.letter='LL': a kind's letter is one letter"):
         attention.register(Again)
