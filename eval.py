@@ -81,10 +81,13 @@ def token_nats(logits, targets, elements=1 << 24):
 
 @torch.no_grad()
 def score(model, tokens, stride, batch_size, device, context):
-    """(nats, targets): each scored token's loss (float64) and id, in order, over tokens (1-D int64)."""
+    """(nats, targets): each scored token's loss (float64) and id, in order, over tokens (1-D int64).
+    Each window's losses go straight into one buffer of the text's length: thousands of small tensors kept
+    alive between the batches' large, freed logits fragment the heap until a 1 MB text at --stride=16
+    needed 7.6 GB (docs/research_log.md)."""
     block_size = model.config.block_size
     spans = windows(len(tokens), block_size, stride)
-    pieces = []  # (begin, losses, targets) per window
+    nats_all = torch.empty(len(tokens) - 1, dtype=torch.float64)  # target j is tokens[j + 1]
     for i in range(0, len(spans), batch_size):
         group = spans[i : i + batch_size]
         by_length = {}  # the last window can be shorter: one forward pass per length
@@ -95,11 +98,11 @@ def score(model, tokens, stride, batch_size, device, context):
             y = torch.stack([tokens[b + 1 : e + 1] for b, e, _ in same]).to(device)
             with context:
                 logits, _ = model(x)
-            nats = token_nats(logits, y)
-            for row, (begin, _, n) in enumerate(same):
-                pieces.append((begin, nats[row, length - n :].double().cpu(), y[row, length - n :].cpu()))
-    pieces.sort(key=lambda piece: piece[0])  # text order, whatever the grouping by length
-    return torch.cat([p[1] for p in pieces]), torch.cat([p[2] for p in pieces])
+            nats = token_nats(logits, y).cpu()
+            for row, (_, end, n) in enumerate(same):  # this window scores targets end - n .. end - 1
+                nats_all[end - n : end] = nats[row, length - n :]
+    scored = spans[-1][1]  # every target up to the last window's end, each once
+    return nats_all[:scored], tokens[1 : scored + 1]
 
 
 def load_tokens(c, tokenizer, meta):
