@@ -77,7 +77,8 @@ class RunState:
     side, once. Beside the weights, the optimizers' and loss scaler's state, both configs (the model's and
     the training's, as they ran) and the tokenizer: the step, the best val loss, the step last evaluated,
     the batch sampler's position, every process's RNG, how much of metrics.jsonl belongs to the checkpoint
-    and the wall time so far. run: train.py's Run (its model, optimizers, scaler, sampler, process group)."""
+    and the wall time so far; and the precision it computes in (autocast's dtype, Muon's Newton-Schulz dtype),
+    which a resume keeps. run: train.py's Run (its model, optimizers, scaler, sampler, process group)."""
 
     def __init__(self):
         self.started = time.perf_counter()
@@ -121,6 +122,7 @@ class RunState:
             "evaluated_at": self.evaluated_at, "sampler": run.train_batches.state_dict(),
             "rng": {"cpu": [r[0] for r in rng], "cuda": [r[1] for r in rng]},
             "metrics_bytes": logger.durable_size(), "elapsed": self.elapsed(),
+            "precision": {"dtype": run.dtype, "newton_schulz": str(run.newton_schulz).removeprefix("torch.")},
         }  # fmt: skip
         save_checkpoint(path, state)
 

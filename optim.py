@@ -82,22 +82,23 @@ def lr_scale(adjust_lr_fn, shape):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Builders: (model, c, device_type) -> a list of optimizers. c has the training config's attributes
-# learning_rate, weight_decay, beta1, beta2, muon_momentum.
+# Builders: (model, c, device_type, ns_dtype) -> a list of optimizers. c has the training config's attributes
+# learning_rate, weight_decay, beta1, beta2, muon_momentum; ns_dtype is Muon's Newton-Schulz dtype (None:
+# what precision() finds fast here; a resumed run passes the one it started with).
 
 
-def adamw_everywhere(model, c, device_type):
+def adamw_everywhere(model, c, device_type, ns_dtype=None):
     """adamw() over every trainable parameter."""
     params = [p for p in model.parameters() if p.requires_grad]
     return [adamw(params, c.weight_decay, c.learning_rate, (c.beta1, c.beta2), device_type)]
 
 
-def muon_for_matrices(model, c, device_type):
+def muon_for_matrices(model, c, device_type, ns_dtype=None):
     """Muon (Jordan et al. 2024: momentum orthogonalised by Newton-Schulz) for the blocks' matrices, its
     rate scaled to match AdamW's update size (Liu et al. 2025) so one learning_rate serves both; AdamW for
     the embeddings, the head, norm gains and biases."""
     hidden = {id(p) for p in model.blocks.parameters() if p.dim() == 2}
-    muon = Muon([p for p in model.blocks.parameters() if id(p) in hidden], ns_dtype=precision(device_type).newton_schulz,
+    muon = Muon([p for p in model.blocks.parameters() if id(p) in hidden], ns_dtype=ns_dtype or precision(device_type).newton_schulz,
                 lr=c.learning_rate, weight_decay=c.weight_decay, momentum=c.muon_momentum,
                 adjust_lr_fn="match_rms_adamw")
     rest = [p for p in model.parameters() if id(p) not in hidden]
@@ -107,8 +108,8 @@ def muon_for_matrices(model, c, device_type):
 OPTIMIZERS = {"adamw": adamw_everywhere, "muon": muon_for_matrices}
 
 
-def build_optimizers(model, c, device_type):
-    return OPTIMIZERS[c.optimizer](model, c, device_type)
+def build_optimizers(model, c, device_type, ns_dtype=None):
+    return OPTIMIZERS[c.optimizer](model, c, device_type, ns_dtype)
 
 
 def get_lr(it, c):

@@ -135,9 +135,7 @@ def train(c, explicit, script=False):
     try:
         # the log's first lines: the precision chosen, notes, the run's size
         logger = Logger(c, c.out_dir, state.iter_num, state.metrics_bytes, world.master)
-        fast = precision(run.device_type)
-        muon = f", Muon's Newton-Schulz in {str(fast.newton_schulz).removeprefix('torch.')}" if c.optimizer == "muon" else ""
-        logger.print(f"precision: {run.dtype} ({'chosen' if c.dtype == 'auto' else 'as set'}){muon} | {fast.why}")
+        logger.print(run.precision_line)
         for note in notes + run.notes:
             logger.print(note)
         if state.rng_processes and state.rng_processes != world.size:
@@ -238,7 +236,15 @@ class Run:
             torch.cuda.set_device(self.device)
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
-        self.dtype = pick_dtype(c.dtype, self.device_type)
+        # precision: as set, or measured at the run's start and kept by every resume (a measurement near
+        # the threshold could otherwise flip it between starts, and the run would not continue bit for bit)
+        kept = (ckpt or {}).get("precision")
+        fast = precision(self.device_type)
+        self.dtype = kept["dtype"] if kept and "dtype" not in explicit else pick_dtype(c.dtype, self.device_type)
+        self.newton_schulz = getattr(torch, kept["newton_schulz"]) if kept else fast.newton_schulz
+        how = "kept from the checkpoint's start" if kept and "dtype" not in explicit else "chosen" if c.dtype == "auto" else "as set"
+        muon = f", Muon's Newton-Schulz in {str(self.newton_schulz).removeprefix('torch.')}" if c.optimizer == "muon" else ""
+        self.precision_line = f"precision: {self.dtype} ({how}){muon} | {fast.why}"
         if c.gradient_accumulation_steps % world.size:
             raise ConfigError(f"gradient_accumulation_steps={c.gradient_accumulation_steps} must be divisible by "
                               f"the number of processes ({world.size})")
@@ -282,7 +288,7 @@ class Run:
                 fully_shard(block)
             fully_shard(model)
         self.raw_model = model
-        self.optimizers = build_optimizers(model, c, self.device_type)
+        self.optimizers = build_optimizers(model, c, self.device_type, self.newton_schulz)
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
         self.autocast = autocast_for(self.device_type, self.dtype)
         self.pin = self.device_type == "cuda"

@@ -499,3 +499,27 @@ def test_a_second_ctrl_c_exits_at_once_with_one_line(tmp_path, char_dataset):
     assert proc.returncode == 128 + signal.SIGINT
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines == [lines[-1]] and lines[-1].startswith("error: interrupted again; stopped at once"), err
+
+
+def test_a_resumed_run_keeps_the_precision_it_started_with(tmp_path, char_dataset, monkeypatch):
+    """dtype=auto is measured at the run's start and recorded in the checkpoint; a resume keeps it (and
+    Muon's Newton-Schulz dtype) and says so, even where a new measurement would choose otherwise (here
+    SMALLGPT_BF16 plays the measurement); a dtype given on the resume's command line still wins."""
+    import device
+
+    out = tmp_path / "run"
+    run = [f"--dataset={char_dataset}", f"--out_dir={out}"]
+    try:
+        monkeypatch.setenv("SMALLGPT_BF16", "0")
+        device.precision.cache_clear()
+        first = run_main("train.py", *TINY_RUN, *run, "--dtype=auto", "--optimizer=muon", "--max_iters=5")
+        assert "precision: float32 (chosen), Muon's Newton-Schulz in float32" in first.stdout, first.stderr
+        monkeypatch.setenv("SMALLGPT_BF16", "1")
+        device.precision.cache_clear()
+        resumed = run_main("train.py", *run, "--init_from=resume", "--max_iters=10")
+        assert resumed.returncode == 0, resumed.stderr
+        assert "precision: float32 (kept from the checkpoint's start), Muon's Newton-Schulz in float32" in resumed.stdout
+        changed = run_main("train.py", *run, "--init_from=resume", "--max_iters=15", "--dtype=bfloat16")
+        assert "precision: bfloat16 (as set), Muon's Newton-Schulz in float32" in changed.stdout, changed.stderr
+    finally:
+        device.precision.cache_clear()
