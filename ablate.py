@@ -104,7 +104,7 @@ def load_study(path, overrides=None, n_seeds=0, quick=False):
             raise ConfigError(f"{path}: variants {folders[slug(name)]!r} and {name!r} would share the folder {slug(name)!r}; rename one")
         folders[slug(name)] = name
     keys = train.config_keys()
-    runs = []
+    runs, notes = [], []
     for name, variant_keys in study["variants"].items():
         try:  # unknown keys and wrong types, with the closest names
             values, explicit = parse_dict(keys, {**study.get("base", {}), **variant_keys, **overrides}, f"variant {name!r}")
@@ -113,8 +113,9 @@ def load_study(path, overrides=None, n_seeds=0, quick=False):
         c = train.TrainConfig(**values)
         if "tokens" in study and "max_iters" not in overrides:
             c = replace(c, max_iters=max(1, study["tokens"] // tokens_per_step(c)))
-        try:
-            train.check_config(train.fit_defaults(c, explicit, []))  # as train.py will run it
+        try:  # as train.py will run it; the command line (and --quick) chose the overrides
+            c = train.fit_defaults(c, explicit, notes, chosen=set(overrides))
+            train.check_config(c)
             checked(model_config, c)
         except ConfigError as e:
             raise ConfigError(f"{path}: variant {name!r}: {e}") from None
@@ -127,7 +128,7 @@ def load_study(path, overrides=None, n_seeds=0, quick=False):
     for row, (variant, keys) in study.get("eval_as", {}).items():
         if variant not in names or set(keys) - set(EVAL_AS_KEYS):
             raise ConfigError(f"{path}: eval_as {row!r}: a variant and keys among {', '.join(EVAL_AS_KEYS)}")
-    return runs, {**study, "seeds": seeds}
+    return runs, {**study, "seeds": seeds, "fitted": list(dict.fromkeys(notes))}
 
 
 def finished(c, out_dir):
@@ -380,6 +381,8 @@ def run_study(argv):
         raise ConfigError("give exactly one study file, e.g. python ablate.py config/ablations/positions.py")
     path = files[0]
     runs, study = load_study(path, overrides, c.seeds, c.quick)
+    for note in study["fitted"]:
+        print(note, flush=True)
     name = os.path.splitext(os.path.basename(path))[0]
     keys = [f"--{k}={v}" for k, v in overrides.items()] + ([f"--seeds={c.seeds}"] if c.seeds else [])
     suffix = ("-quick" if c.quick else "") + "".join("-" + re.sub(r"[^A-Za-z0-9_.]+", "", arg) for arg in keys)

@@ -111,12 +111,13 @@ def check_config(c):
 # The recipe
 
 
-def train(c, explicit, script=False):
+def train(c, explicit, script=False, chosen=None):
     """Runs the training c describes (a TrainConfig; explicit: the keys the user set) in this process.
-    script: called by train.py's command line, which ends the process after it (see StopRequest)."""
+    script: called by train.py's command line, which ends the process after it (see StopRequest).
+    chosen: the keys given on the command line itself (None: all of explicit; see fit_defaults)."""
     # the config that runs, the pieces, and where a resumed run stands
     state = RunState()
-    settled, ckpt, notes = settle_config(c, explicit)
+    settled, ckpt, notes = settle_config(c, explicit, chosen)
     run = Run(settled, explicit, ckpt)
     c, world = run.train_config, run.world
     if world.enabled:
@@ -436,7 +437,7 @@ def step_record(run, iter_num, lr, loss_sum, ce_sum, grad_norm, skipped, seconds
 # The config that runs, and the model it starts from
 
 
-def settle_config(c, explicit):
+def settle_config(c, explicit, chosen=None):
     """The config that runs, and the checkpoint to resume (or None). A resumed run keeps its own config
     apart from what the command line changes; a fresh one refuses an out_dir that holds a checkpoint.
     Defaults the user did not set are fitted to a short run; what the user wrote is only checked."""
@@ -454,17 +455,23 @@ def settle_config(c, explicit):
         raise ConfigError(f"{ckpt_path} exists: continue it with --init_from=resume, or start over with "
                           "--overwrite=True (or another --out_dir)")
     else:
-        c = fit_defaults(c, explicit, notes)
+        c = fit_defaults(c, explicit, notes, chosen)
     check_config(c)
     return c, ckpt, notes
 
 
-def fit_defaults(c, explicit, notes):
-    """c with the defaults the user did not set fitted to a short run (a note for each in notes)."""
-    if "warmup_iters" not in explicit and c.warmup_iters > c.max_iters:
+def fit_defaults(c, explicit, notes, chosen=None):
+    """c with the defaults the user did not set fitted to a short run (a note for each in notes). chosen:
+    the keys given on the command line itself (None: all of explicit). A config file's (or a study's)
+    warmup_iters is fitted too when the command line shortened max_iters below it and left the warmup
+    alone: `train.py config/X.py --max_iters=5` is a smoke test, not a contradiction."""
+    chosen = explicit if chosen is None else chosen
+    from_file = "warmup_iters" in explicit and "warmup_iters" not in chosen and "max_iters" in chosen
+    if ("warmup_iters" not in explicit or from_file) and c.warmup_iters > c.max_iters:
         fitted = c.max_iters // 10
-        notes.append(f"note: warmup_iters={c.warmup_iters} (the default) is longer than max_iters={c.max_iters}; "
-                     f"using warmup_iters={fitted} (a tenth of the run); set it to choose")
+        notes.append(f"note: warmup_iters={c.warmup_iters} ({'set by a config file' if from_file else 'the default'}) "
+                     f"is longer than max_iters={c.max_iters}; using warmup_iters={fitted} (a tenth of the run); "
+                     "set it to choose")
         c = replace(c, warmup_iters=fitted)
     return c
 
@@ -597,7 +604,7 @@ def command(argv):
     c, explicit = parse_config(TrainConfig, argv, "python train.py [config_file ...] [--key=value ...]",
                                __doc__.strip().splitlines()[0], config_keys())
     try:
-        result = train(c, explicit, script=True)
+        result = train(c, explicit, script=True, chosen={a[2:].partition("=")[0] for a in argv if a.startswith("--")})
     except (NonFinite, OSError) as e:  # not bad input: a diverged run, a full disk
         print(f"error: {e.strerror if isinstance(e, OSError) and e.strerror else e}", file=sys.stderr)
         sys.exit(1)

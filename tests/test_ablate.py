@@ -64,6 +64,15 @@ def test_a_study_shrinks_from_the_command_line_into_its_own_folder(tmp_path, cha
         assert exit.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_a_shorter_run_on_the_command_line_fits_the_studys_warmup(tmp_path, char_dataset, capsys, monkeypatch):
+    study = write_study(tmp_path, char_dataset, STUDY.replace("warmup_iters=1,", "warmup_iters=4,"))
+    monkeypatch.chdir(tmp_path)
+    ablate.main([study, "--max_iters=2", "--seeds=1"])
+    assert "note: warmup_iters=4 (set by a config file) is longer than max_iters=2; using warmup_iters=0" in capsys.readouterr().out
+    assert [r["iter"] for r in read_metrics(tmp_path / "out-ablations" / "study-max_iters2-seeds1" / "rope" / "seed1")
+            if "val_loss" in r] == [0, 2]
+
+
 def test_quick_form_uses_the_studys_quick_keys(tmp_path, char_dataset, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     bare = write_study(tmp_path, char_dataset)

@@ -523,3 +523,19 @@ def test_a_resumed_run_keeps_the_precision_it_started_with(tmp_path, char_datase
         assert "precision: bfloat16 (as set), Muon's Newton-Schulz in float32" in changed.stdout, changed.stderr
     finally:
         device.precision.cache_clear()
+
+
+def test_a_shorter_run_on_the_command_line_fits_a_config_files_warmup(tmp_path, char_dataset):
+    """`train.py CONFIG --max_iters=5` where CONFIG sets warmup_iters=20: a smoke test, so the config
+    file's warmup is fitted (with a note) as the default's is; a warmup given on the command line, or a
+    config file that contradicts itself, is still refused."""
+    config = tmp_path / "config.py"
+    config.write_text("warmup_iters = 20\nmax_iters = 100\n")
+    args = [a for a in TINY_RUN if not a.startswith("--warmup_iters")] + [f"--dataset={char_dataset}"]
+    smoke = run_main("train.py", str(config), *args, "--max_iters=5", f"--out_dir={tmp_path / 'a'}")
+    assert smoke.returncode == 0, smoke.stderr
+    assert "note: warmup_iters=20 (set by a config file) is longer than max_iters=5; using warmup_iters=0" in smoke.stdout
+    for extra, out in ((["--max_iters=5", "--warmup_iters=20"], "b"), ([], "c")):
+        (tmp_path / "bad.py").write_text("warmup_iters = 20\nmax_iters = 5\n")
+        refused = run_main("train.py", str(config if extra else tmp_path / "bad.py"), *args, *extra, f"--out_dir={tmp_path / out}")
+        assert refused.returncode == 2 and "warmup_iters=20 must be in [0, max_iters=5]" in refused.stderr, refused.stderr
