@@ -57,6 +57,9 @@ def load_checkpoint(path, map_location="cpu", mmap=False):
         if os.path.basename(parent) == CHECKPOINT:  # --out_dir=run/ckpt.pt: the file itself was given
             raise CheckpointError(f"{parent} is the checkpoint file; out_dir takes its folder: --out_dir={os.path.dirname(parent) or '.'}")
         raise CheckpointError(f"{path}: no such checkpoint; train one first, or check out_dir")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive: anything else is damage, not a threat
+        raise CheckpointError(f"{path}: truncated or corrupt checkpoint (not the zip archive torch.save writes; "
+                              f"{os.path.getsize(path):,} bytes)")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:

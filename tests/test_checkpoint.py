@@ -41,6 +41,10 @@ def test_truncated_and_foreign_checkpoints(tmp_path, capsys, trained_run):
     (tmp_path / "ckpt.pt").write_bytes(b"\x00" * 1000)
     code, err = fails(capsys, sample.main, f"--out_dir={tmp_path}")
     assert code == 2 and "truncated or corrupt checkpoint" in err
+    for seed in range(3):  # random bytes are damage, not a security risk (they read as a pickle's opcodes)
+        (tmp_path / "ckpt.pt").write_bytes(random.Random(seed).randbytes(4096))
+        code, err = fails(capsys, sample.main, f"--out_dir={tmp_path}")
+        assert code == 2 and "truncated or corrupt checkpoint" in err and "arbitrary code" not in err, err
     torch.save({"weights": torch.zeros(3)}, tmp_path / "ckpt.pt")
     code, err = fails(capsys, sample.main, f"--out_dir={tmp_path}")
     assert code == 2 and "not a checkpoint written by train.py" in err
