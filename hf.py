@@ -1,7 +1,9 @@
 """
-Hugging Face interop: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM) and Mistral (MistralForCausalLM:
-Llama with a sliding window in every layer) weights into our GPT and back, and the tokenizer that goes with pretrained weights. GPT.from_pretrained and GPT.save_pretrained
-call in here; nothing here is needed to train or sample a model of our own.
+Hugging Face interop: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM), Mistral (MistralForCausalLM:
+Llama with a sliding window in every layer), Qwen3 (Qwen3ForCausalLM: Llama with QK-norm) and Arcee
+(ArceeForCausalLM: Llama with a non-gated ReLU² MLP) weights into our GPT and back, and the tokenizer that
+goes with pretrained weights. GPT.from_pretrained and GPT.save_pretrained call in here; nothing here is
+needed to train or sample a model of our own.
 """
 
 import json
@@ -10,9 +12,9 @@ from dataclasses import replace
 
 import torch
 
+import attention
 from configurator import UserError
 from dataset import EOT, DataError, HFTokenizer, TiktokenTokenizer, describe_meta
-import attention
 from model import GPTConfig
 
 
@@ -124,18 +126,39 @@ def load_hf_state_dict(directory):
     raise PretrainedError(f"{directory}: no model.safetensors or pytorch_model.bin (sharded checkpoints are not supported)")
 
 
+# What each transformers architecture computes, in our keys: (its name, what it is, the keys it needs).
+# "attention" is every layer's kind (attention.py's exports_as); "n_head" as a value means n_kv_head = n_head.
+LLAMA_KEYS = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "qk_norm": False}
+FAMILY_KEYS = {
+    "gpt2": ("GPT-2", "learned positions, LayerNorm, GELU", {"pos_emb": "learned", "norm": "layernorm", "mlp": "gelu",
+                                                             "qk_norm": False, "n_kv_head": "n_head", "attention": "full"}),
+    "llama": ("Llama", "RoPE, RMSNorm, SwiGLU, no biases", {**LLAMA_KEYS, "attention": "full"}),
+    "mistral": ("Mistral", "Llama with a sliding window in every layer", {**LLAMA_KEYS, "attention": "window"}),
+    "qwen3": ("Qwen3", "Llama with QK-norm", {**LLAMA_KEYS, "qk_norm": True, "attention": "full"}),
+    "arcee": ("Arcee", "Llama with a non-gated ReLU² MLP", {**LLAMA_KEYS, "mlp": "relu2", "attention": "full"}),
+}  # fmt: skip
+
+
+def family_mismatches(config, keys):
+    """The keys (as 'key=wanted') in which config differs from a family's, norm_placement='pre' included."""
+    exported = {kind.exports_as for kind in attention.kinds_of(config).values()}
+    wrong = [] if config.norm_placement == "pre" else ["norm_placement='pre'"]
+    for key, wanted in keys.items():
+        if key == "attention":
+            if exported != {wanted}:
+                letters = "/".join(attention.letters_exported_as(wanted))
+                wrong.append(f"attn_pattern={letters or '?'!r} (every layer {'full attention' if wanted == 'full' else 'a sliding window'})")
+        elif wanted == "n_head":
+            if config.n_kv_head != config.n_head:
+                wrong.append(f"n_kv_head={config.n_head} (= n_head)")
+        elif getattr(config, key) != wanted:
+            wrong.append(f"{key}={wanted!r}")
+    return wrong
+
+
 def family(config):
-    """'gpt2', 'llama' or 'mistral': the transformers architecture with this config's computation, or None."""
-    c = config
-    exported = {kind.exports_as for kind in attention.kinds_of(c).values()}  # every layer one kind transformers has
-    if c.norm_placement != "pre" or exported not in ({"full"}, {"window"}):
-        return None
-    if (c.pos_emb == "learned" and c.norm == "layernorm" and c.mlp == "gelu" and not c.qk_norm
-            and c.n_kv_head == c.n_head and exported == {"full"}):  # fmt: skip
-        return "gpt2"
-    if c.pos_emb == "rope" and c.norm == "rmsnorm" and c.mlp == "swiglu" and not c.bias and not c.qk_norm:
-        return "mistral" if exported == {"window"} else "llama"
-    return None
+    """The transformers architecture with this config's computation (a FAMILY_KEYS name), or None."""
+    return next((name for name, (_, _, keys) in FAMILY_KEYS.items() if not family_mismatches(config, keys)), None)
 
 
 def uses_gpt2_tokenizer(config):
@@ -149,15 +172,15 @@ def hf_family(config):
     if kind is not None:
         return kind
     c = config
+    misses = {name: family_mismatches(c, keys) for name, (_, _, keys) in FAMILY_KEYS.items()}
+    nearest = min(misses, key=lambda name: len(misses[name]))
+    title, what, _ = FAMILY_KEYS[nearest]
+    others = "; ".join(f"{t} ({w})" for t, w, _ in FAMILY_KEYS.values())
     raise PretrainedError(
-        "this config has no Hugging Face equivalent: GPT-2 needs pos_emb='learned', norm='layernorm', "
-        "mlp='gelu', n_kv_head=n_head, qk_norm=False; Llama needs pos_emb='rope', norm='rmsnorm', "
-        "mlp='swiglu', bias=False, qk_norm=False; both need norm_placement='pre' and every layer full attention "
-        f"(attn_pattern of {'/'.join(attention.letters_exported_as('full'))}) (Mistral: Llama whose every layer is a "
-        f"sliding window, {'/'.join(attention.letters_exported_as('window'))}) "
-        f"(got pos_emb={c.pos_emb!r}, norm={c.norm!r}, mlp={c.mlp!r}, bias={c.bias}, qk_norm={c.qk_norm}, "
-        f"n_kv_head={c.n_kv_head}, n_head={c.n_head}, attn_pattern={c.attn_pattern!r}, "
-        f"norm_placement={c.norm_placement!r})"
+        f"this config has no Hugging Face equivalent: the nearest is {title} ({what}), which needs "
+        f"{', '.join(misses[nearest])} (got pos_emb={c.pos_emb!r}, norm={c.norm!r}, mlp={c.mlp!r}, bias={c.bias}, "
+        f"qk_norm={c.qk_norm}, n_kv_head={c.n_kv_head}, n_head={c.n_head}, attn_pattern={c.attn_pattern!r}, "
+        f"norm_placement={c.norm_placement!r}); exported architectures: {others}"
     )
 
 
@@ -228,11 +251,12 @@ def gpt2_hf_config(config):
     }  # fmt: skip
 
 
-def llama_config(hf, directory):
-    if hf.get("hidden_act", "silu") != "silu":
-        raise PretrainedError(f"{directory}: Llama activation {hf['hidden_act']!r} is not supported (silu only)")
+def llama_config(hf, directory, act="silu"):
+    if hf.get("hidden_act", "silu") != act:
+        raise PretrainedError(f"{directory}: {hf.get('model_type', 'llama')} activation {hf['hidden_act']!r} is not "
+                              f"supported ({act} only)")
     if hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise PretrainedError(f"{directory}: Llama with attention_bias/mlp_bias is not supported")
+        raise PretrainedError(f"{directory}: attention_bias/mlp_bias is not supported")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     scaling = {"default": "none", "linear": "linear", "yarn": "yarn"}.get(rope_type)
@@ -263,36 +287,48 @@ LLAMA_FUSED_KEYS = {
     "attn.qkv.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "mlp.fc.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
 }
+QWEN3_LAYER_KEYS = {**LLAMA_LAYER_KEYS, "attn.q_norm.weight": "self_attn.q_norm.weight",
+                    "attn.k_norm.weight": "self_attn.k_norm.weight"}
+ARCEE_FUSED_KEYS = {**LLAMA_FUSED_KEYS, "mlp.fc.weight": ("mlp.up_proj.weight",)}  # one matrix: no gate
 
 
-def llama_to_ours(hf_state, config):
-    state = {"tok_emb.weight": hf_state["model.embed_tokens.weight"], "norm_f.weight": hf_state["model.norm.weight"]}
-    for i in range(config.n_layer):
-        for ours, theirs in LLAMA_LAYER_KEYS.items():
-            state[f"blocks.{i}.{ours}"] = hf_state[f"model.layers.{i}.{theirs}"]
-        for ours, parts in LLAMA_FUSED_KEYS.items():
-            state[f"blocks.{i}.{ours}"] = torch.cat([hf_state[f"model.layers.{i}.{p}"] for p in parts])
-    if not config.tie_embeddings:
-        state["lm_head.weight"] = hf_state["lm_head.weight"]
-    return state
+def llama_like(layer_keys=LLAMA_LAYER_KEYS, fused_keys=LLAMA_FUSED_KEYS):
+    """(to_ours, from_ours) for a Llama-shaped state dict with these per-layer names."""
+
+    def to_ours(hf_state, config):
+        state = {"tok_emb.weight": hf_state["model.embed_tokens.weight"], "norm_f.weight": hf_state["model.norm.weight"]}
+        for i in range(config.n_layer):
+            for ours, theirs in layer_keys.items():
+                state[f"blocks.{i}.{ours}"] = hf_state[f"model.layers.{i}.{theirs}"]
+            for ours, parts in fused_keys.items():
+                state[f"blocks.{i}.{ours}"] = torch.cat([hf_state[f"model.layers.{i}.{p}"] for p in parts])
+        if not config.tie_embeddings:
+            state["lm_head.weight"] = hf_state["lm_head.weight"]
+        return state
+
+    def from_ours(state, config):
+        hf = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["norm_f.weight"]}
+        head_dim = config.n_embd // config.n_head
+        split_sizes = {
+            "attn.qkv.weight": [config.n_head * head_dim, config.n_kv_head * head_dim, config.n_kv_head * head_dim],
+            "mlp.fc.weight": [config.mlp_hidden] * len(fused_keys["mlp.fc.weight"]),
+        }
+        for i in range(config.n_layer):
+            for ours, theirs in layer_keys.items():
+                hf[f"model.layers.{i}.{theirs}"] = state[f"blocks.{i}.{ours}"]
+            for ours, parts in fused_keys.items():
+                for part, tensor in zip(parts, state[f"blocks.{i}.{ours}"].split(split_sizes[ours])):
+                    hf[f"model.layers.{i}.{part}"] = tensor
+        if not config.tie_embeddings:
+            hf["lm_head.weight"] = state["lm_head.weight"]
+        return hf
+
+    return to_ours, from_ours
 
 
-def llama_from_ours(state, config):
-    hf = {"model.embed_tokens.weight": state["tok_emb.weight"], "model.norm.weight": state["norm_f.weight"]}
-    head_dim = config.n_embd // config.n_head
-    split_sizes = {
-        "attn.qkv.weight": [config.n_head * head_dim, config.n_kv_head * head_dim, config.n_kv_head * head_dim],
-        "mlp.fc.weight": [config.mlp_hidden, config.mlp_hidden],
-    }
-    for i in range(config.n_layer):
-        for ours, theirs in LLAMA_LAYER_KEYS.items():
-            hf[f"model.layers.{i}.{theirs}"] = state[f"blocks.{i}.{ours}"]
-        for ours, parts in LLAMA_FUSED_KEYS.items():
-            for part, tensor in zip(parts, state[f"blocks.{i}.{ours}"].split(split_sizes[ours])):
-                hf[f"model.layers.{i}.{part}"] = tensor
-    if not config.tie_embeddings:
-        hf["lm_head.weight"] = state["lm_head.weight"]
-    return hf
+llama_to_ours, llama_from_ours = llama_like()
+qwen3_to_ours, qwen3_from_ours = llama_like(QWEN3_LAYER_KEYS)
+arcee_to_ours, arcee_from_ours = llama_like(fused_keys=ARCEE_FUSED_KEYS)
 
 
 def llama_hf_config(config):
@@ -328,10 +364,35 @@ def mistral_hf_config(config):
     return hf | {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": config.attn_window}
 
 
+def qwen3_config(hf, directory):
+    """Qwen3 is Llama with an RMSNorm over each head's queries and keys (before RoPE); its sliding-window
+    layers (use_sliding_window) are not supported."""
+    if hf.get("use_sliding_window"):
+        raise PretrainedError(f"{directory}: Qwen3 with use_sliding_window=true is not supported")
+    return replace(llama_config(hf, directory), qk_norm=True)
+
+
+def qwen3_hf_config(config):
+    hf = {k: v for k, v in llama_hf_config(config).items() if k != "mlp_bias"}
+    return hf | {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "use_sliding_window": False,
+                 "sliding_window": None}
+
+
+def arcee_config(hf, directory):
+    """Arcee (AFM) is Llama whose MLP is up_proj, ReLU², down_proj: no gate."""
+    return replace(llama_config(hf, directory, act="relu2"), mlp="relu2")
+
+
+def arcee_hf_config(config):
+    return llama_hf_config(config) | {"architectures": ["ArceeForCausalLM"], "model_type": "arcee", "hidden_act": "relu2"}
+
+
 HF_FAMILIES = {
     "gpt2": (gpt2_config, gpt2_to_ours, gpt2_hf_config, gpt2_from_ours),
     "llama": (llama_config, llama_to_ours, llama_hf_config, llama_from_ours),
     "mistral": (mistral_config, llama_to_ours, mistral_hf_config, llama_from_ours),
+    "qwen3": (qwen3_config, qwen3_to_ours, qwen3_hf_config, qwen3_from_ours),
+    "arcee": (arcee_config, arcee_to_ours, arcee_hf_config, arcee_from_ours),
 }
 
 

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from conftest import TINY_RUN, gpt2_or_skip, max_logit_diff, run_main, run_script
+from conftest import ROOT, TINY_RUN, gpt2_or_skip, max_logit_diff, run_main, run_script
 
 transformers = pytest.importorskip("transformers", reason="export tests need transformers (requirements-dev.txt)")
 
@@ -155,3 +155,61 @@ def test_export_refuses_an_inexpressible_model(tmp_path, capsys, char_dataset):
     with pytest.raises(SystemExit) as exit:
         export.main([f"--out_dir={tmp_path / 'run'}", f"--hf_dir={tmp_path / 'hf'}"])
     assert exit.value.code == 2 and "no Hugging Face equivalent" in capsys.readouterr().err
+
+
+ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM", "arcee": "ArceeForCausalLM"}
+
+
+def tiny_of(keys, **more):
+    """A tiny model of the shape a config's model keys describe (every weight perturbed, so a norm gain or
+    a q/k swap that conversion got wrong shows in the logits)."""
+    from model import MODEL_KEYS, GPT, GPTConfig
+
+    keys = {k: v for k, v in keys.items() if k in MODEL_KEYS} | more
+    shape = {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 32, "vocab_size": VOCAB, "mlp_hidden": None,
+             "dropout": 0.0, "n_kv_head": 2 if keys.get("n_kv_head") else None,
+             "attn_window": 8 if keys.get("attn_window") else None}
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**keys | shape)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "config").glob("*.py")), ids=lambda p: p.stem)
+def test_every_configs_shape_exports_and_matches_transformers(tmp_path, path, idx):
+    """Each config in config/ (a tiny model of its shape): export, transformers' own class loads it, logits
+    within 1e-4, and it loads back as the same model. The Quick start's ReLU² model is Arcee, the modern
+    recipe's QK-norm + SwiGLU is Qwen3."""
+    from configurator import read_config_file
+    from hf import family
+    from model import GPT
+
+    model = tiny_of(read_config_file(str(path)))
+    kind = family(model.config)
+    assert kind is not None, f"{path.name} has no transformers equivalent"
+    model.save_pretrained(str(tmp_path / "hf"))
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert type(theirs).__name__ == ARCHITECTURES[kind]
+    assert max_logit_diff(model, theirs, idx) <= 1e-4
+    back = GPT.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        assert (model(idx)[0] - back(idx)[0]).abs().max() <= 1e-6
+
+
+@pytest.mark.parametrize("keys, change", [
+    (dict(pos_emb="rope", norm="rmsnorm", mlp="relu2", bias=False, qk_norm=True), "Qwen3 (Llama with QK-norm), which needs mlp='swiglu'"),
+    (dict(pos_emb="alibi", norm="rmsnorm", mlp="relu2", bias=False), "Arcee (Llama with a non-gated ReLU² MLP), which needs pos_emb='rope'"),
+    (dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, norm_placement="post"), "which needs norm_placement='pre'"),
+    (dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, attn_pattern="R"), "every layer full attention"),
+])  # fmt: skip
+def test_a_config_without_an_equivalent_is_told_which_key_to_change(tmp_path, capsys, keys, change):
+    from hf import PretrainedError
+
+    with pytest.raises(PretrainedError) as err:
+        tiny_of(keys).save_pretrained(str(tmp_path / "hf"))
+    message = str(err.value)
+    assert "no Hugging Face equivalent: the nearest is" in message and change in message and "\n" not in message
+    assert not (tmp_path / "hf").exists()
