@@ -45,7 +45,7 @@ from dataclasses import dataclass, fields, replace
 from checkpoint import CHECKPOINT, METRICS, ContextKeys, load_checkpoint, read_metrics, tokens_per_step
 from configurator import ConfigError, UserError, checked, cli_main, keys_of, parse, parse_config, parse_dict, read_config_file
 from model import GPT, GPTConfig, model_config
-from plot import line_style, pyplot, save
+from plot import line_style, pyplot, save, title as figure_title
 import train
 
 
@@ -259,7 +259,7 @@ def plot_lengths(rows, root, title):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("evaluation context (tokens)")
     ax.set_ylabel("val bits per byte (mean over seeds)")
-    ax.set_title(title, fontsize=10)
+    figure_title(fig, title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return save(plt, fig, os.path.join(root, "lengths.png"))
@@ -355,7 +355,7 @@ def plot(rows, root, title):
         ax.plot(xs[1:], ys[1:], label=name, linestyle=line_style(i))  # from the first evaluation after step 0
     ax.set_xlabel("training tokens")
     ax.set_ylabel("val loss (mean over seeds)")
-    ax.set_title(title, fontsize=10)
+    figure_title(fig, title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, never over a curve
     return save(plt, fig, os.path.join(root, "loss_curves.png"))
@@ -408,9 +408,9 @@ def run_study(argv):
     lengths = length_rows(runs, root, study) if study.get("eval_lengths") else None
     command = " ".join(["python ablate.py", path, *shrunk])
     print(write_results(rows, root, study, command, len(study["seeds"]), lengths))
-    plot(rows, root, study["title"])
-    if lengths:
-        plot_lengths(lengths, root, study["title"])
+    written = [os.path.join(root, "results.md"), plot(rows, root, study["title"]),
+               plot_lengths(lengths, root, study["title"]) if lengths else None]
+    print("wrote " + ", ".join(path for path in written if path), flush=True)
 
 
 if __name__ == "__main__":

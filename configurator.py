@@ -128,6 +128,8 @@ def unknown_key(name, keys, where, renamed=None):
 def read_config_file(path):
     """Executes a config file and returns the keys it assigned (names starting with _ are private;
     modules, functions and classes it defines or imports are ignored)."""
+    if os.path.isdir(path):  # `python sample.py out-x`: a run's folder given where config files go
+        raise ConfigError(f"{path} is a folder, not a config file; for a run's folder write --out_dir={path}")
     try:
         with open(path) as f:
             source = f.read()

@@ -11,6 +11,7 @@ The PNG needs matplotlib (pip install matplotlib); without it the summary is pri
 
 import os
 import sys
+import textwrap
 from types import SimpleNamespace
 
 from checkpoint import CHECKPOINT, CheckpointError, load_checkpoint, read_metrics, tokens_per_step
@@ -29,6 +30,12 @@ def pyplot():
     except ImportError:
         return None
     return plt
+
+
+def title(fig, text):
+    """A title over the whole figure, wrapped to its width: an axes title is centred over the axes, which
+    a legend beside them narrows, so a long one ran off the figure's left edge ("osition schemes")."""
+    fig.suptitle(textwrap.fill(text, 90), fontsize=10)
 
 
 def save(plt, fig, path):

@@ -44,6 +44,7 @@ def test_runs_every_variant_and_seed_then_tables(tmp_path, char_dataset, capsys)
     out = capsys.readouterr().out
     assert out.count(": finished earlier") == 4 and "eval 0" not in out and "iter 0" not in out
     assert "] learned seed 1\n" not in out  # no line announcing a run that does not happen
+    assert f"wrote {tmp_path / 'out' / 'results.md'}, {tmp_path / 'out' / 'loss_curves.png'}\n" in out
 
 
 def test_a_study_shrinks_from_the_command_line_into_its_own_folder(tmp_path, char_dataset, capsys, monkeypatch):

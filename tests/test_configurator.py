@@ -48,3 +48,13 @@ def test_config_file_then_overrides_in_order(tmp_path):
     assert values["n_layer"] == 5 and values["learning_rate"] == 1.0 and isinstance(values["learning_rate"], float)
     assert explicit == {"n_layer", "learning_rate"}
     assert values["batch_size"] == 12  # untouched default
+
+
+def test_a_run_folder_given_as_a_config_file_says_out_dir(tmp_path):
+    """`python sample.py out-x`: the folder is not a config file, and the line says what to write."""
+    from conftest import run_main
+
+    (tmp_path / "out-x").mkdir()
+    result = run_main("sample.py", str(tmp_path / "out-x"))
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert f"is a folder, not a config file; for a run's folder write --out_dir={tmp_path / 'out-x'}" in result.stderr
