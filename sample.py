@@ -116,9 +116,12 @@ def decode(tokenizer, prompt_ids, ids, stop):
     return cut_at_stop(continuation(tokenizer, prompt_ids, ids), stop)
 
 
-def log_precision(c, device):
-    """One line on stderr, once the input has passed its checks (bad input gets its error line alone)."""
+def log_precision(c, device, ids, config):
+    """One line on stderr, once the input has passed its checks (bad input gets its error line alone), and
+    the notes on the run's length (length_notes)."""
     print(f"precision: {c.weights_dtype} weights | {precision(torch.device(device).type).why}", file=sys.stderr)
+    for note in length_notes(c, len(ids), config):
+        print(note, file=sys.stderr, flush=True)
 
 
 def sampling_of(c):
@@ -131,7 +134,7 @@ def generate_texts(model, tokenizer, prompt, c, device, draft=None):
     idx = torch.tensor([ids] * c.num_samples, dtype=torch.long, device=device)
     generators = [torch.Generator(device=device).manual_seed(c.seed + i) for i in range(c.num_samples)]
     eos = stop_token(tokenizer, c.stop)
-    log_precision(c, device)
+    log_precision(c, device, ids, model.config)
     if draft is None:
         out = generate.generate(model, idx, c.max_new_tokens, sampling_of(c), eos, generator=generators)
     else:
@@ -150,7 +153,7 @@ def stream_text(model, tokenizer, prompt, c, device, write, draft=None):
     hold = 0 if stop in (None, EOT) else len(stop) - 1
     new, shown = [], ""
     eos = stop_token(tokenizer, stop)
-    log_precision(c, device)
+    log_precision(c, device, ids, model.config)
     write(prompt)  # as batch mode prints it: the prompt, then the sample
     if draft is None:
         columns = generate.stream(model, idx, c.max_new_tokens, sampling_of(c), eos, generator=generator)
@@ -170,6 +173,23 @@ def stream_text(model, tokenizer, prompt, c, device, write, draft=None):
             break
     write(text[len(shown) :])  # whatever was held back
     return text
+
+
+LONG_RUN = 10_000  # new tokens per sample from which a batch that prints only at its end gets a note
+
+
+def length_notes(c, prompt_tokens, config):
+    """Lines for stderr before generating (the prompt, as cropped, of prompt_tokens): a run past the context (every token then recomputes the last
+    block_size, as serve.py does too), and a long one that prints nothing until it ends."""
+    notes = []
+    limit = config.context_limit
+    if limit is not None and prompt_tokens + c.max_new_tokens > limit:
+        notes.append(f"note: {prompt_tokens} prompt + {c.max_new_tokens:,} new tokens pass block_size={limit}: from "
+                     f"there each token runs the last {limit} afresh (no cache), slower per token")
+    if c.max_new_tokens >= LONG_RUN and not c.stream:
+        notes.append(f"note: {c.max_new_tokens:,} new tokens per sample print only when all {c.num_samples} are done; "
+                     "--stream=True --num_samples=1 prints them as they come, Ctrl-C stops")
+    return notes
 
 
 def sample(c):

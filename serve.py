@@ -189,18 +189,30 @@ class Engine:
 
     @torch.no_grad()
     def step(self):
-        """One token for every row: the batched decode step, then each row's own sampling."""
-        rows = self.rows
-        tokens = torch.tensor([[job.tokens[-1]] for job in rows], device=self.device)
+        """One token for every row: the batched decode step, then each row's own sampling. A row whose text
+        has outgrown the model's context runs its last block_size tokens afresh instead, as generate()
+        and sample.py do past block_size (every cached key is stale there)."""
+        rows, limit = self.rows, self.model.config.context_limit
+        beyond = [limit is not None and len(job.prompt) + len(job.tokens) > limit for job in rows]
+        cached = [job for job, past in zip(rows, beyond) if not past]
         try:
-            logits = self.model.decode_rows(tokens, [job.cache for job in rows])
+            logits = iter(self.model.decode_rows(torch.tensor([[job.tokens[-1]] for job in cached], device=self.device),
+                                                 [job.cache for job in cached]) if cached else [])
+            rows_logits = []
+            for job, past in zip(rows, beyond):
+                if not past:
+                    rows_logits.append(next(logits))
+                    continue
+                job.cache = None  # stale from here on
+                window = torch.tensor([(job.prompt + job.tokens)[-limit:]], device=self.device)
+                rows_logits.append(self.model.forward_cached(window)[0, -1])
         except Exception as e:  # noqa: BLE001: (out of memory, say) these requests fail, the server goes on
             for job in rows:
                 job.finish_reason = "error"
                 job.send(("error", f"{type(e).__name__}: {e}"))
             return
         self.steps, self.widest = self.steps + 1, max(self.widest, len(rows))
-        for job, row in zip(rows, logits):
+        for job, row in zip(rows, rows_logits):
             self.guarded(job, lambda job: job.take(row[None]))
 
 
@@ -290,12 +302,11 @@ def parse_request(body, tokenizer, config):
     s["stop"] = stop
     if s["max_tokens"] == 0 and not (s["echo"] and s["logprobs"] is not None):
         raise BadRequest("'max_tokens' is 0: set echo and logprobs to score the prompt, or ask for tokens", "max_tokens")
-    limit = config.context_limit
+    limit = config.context_limit  # past it, generation slides (Engine.step); a prompt must fit in it
     longest = max(map(len, prompts))
-    if limit is not None and longest + s["max_tokens"] > limit:
-        raise BadRequest(f"this model's context is {limit} tokens; the prompt ({longest} tokens) and max_tokens "
-                         f"({s['max_tokens']}) need {longest + s['max_tokens']}: shorten the prompt or lower max_tokens",
-                         "prompt" if longest >= limit else "max_tokens", code="context_length_exceeded")
+    if limit is not None and longest > limit:
+        raise BadRequest(f"this model's context is {limit} tokens and the prompt has {longest}: shorten it",
+                         "prompt", code="context_length_exceeded")
     return prompts, s
 
 
@@ -330,8 +341,9 @@ def make_app(model, tokenizer, c, name):
             authorise(request)
         except BadRequest as e:
             return error(e)
+        limit = model.config.context_limit  # None: any length (bounded caches)
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "smallgpt",
-                                            "context_length": model.config.context_limit}]}
+                                            "context_length": limit, "max_model_len": limit}]}
 
     @app.get("/", response_class=HTMLResponse)
     def page():

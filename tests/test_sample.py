@@ -165,3 +165,20 @@ def test_llama_directory_with_its_tokenizer(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith("the king ") and out.endswith("---------------\n")  # spaced as after the prompt
     assert set(out.split("---")[0].split()) <= set(words)
+
+
+def test_a_long_or_past_the_context_run_says_so_before_it_starts(trained_run):
+    """sample.py past block_size (32 here) slides, as serve.py does; it says so on stderr before it runs,
+    and a run long enough to print nothing for a long while says how to see tokens as they come."""
+    from types import SimpleNamespace
+
+    from model import GPTConfig
+
+    result = run_main("sample.py", f"--out_dir={trained_run}", "--max_new_tokens=40", "--num_samples=1", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    assert "note: 1 prompt + 40 new tokens pass block_size=32: from there each token runs the last 32 afresh" in result.stderr
+    c = SimpleNamespace(max_new_tokens=100_000_000, stream=False, num_samples=3)
+    notes = sample.length_notes(c, 1, GPTConfig(block_size=32, vocab_size=61, n_layer=1, n_head=2, n_embd=16))
+    assert len(notes) == 2 and "100,000,000 new tokens per sample print only when all 3 are done" in notes[1]
+    assert sample.length_notes(SimpleNamespace(max_new_tokens=20, stream=False, num_samples=1), 1,
+                               GPTConfig(block_size=32, vocab_size=61, n_layer=1, n_head=2, n_embd=16)) == []

@@ -146,8 +146,8 @@ def test_errors_in_openais_shape(server, client):
 
     with pytest.raises(openai.BadRequestError, match="'temperature' must be in \\[0, 2\\]"):
         client.completions.create(model="tiny", prompt="The", temperature=5)
-    with pytest.raises(openai.BadRequestError, match="context is 32 tokens"):
-        client.completions.create(model="tiny", prompt="The king", max_tokens=100)
+    with pytest.raises(openai.BadRequestError, match="context is 32 tokens and the prompt has 45: shorten it"):
+        client.completions.create(model="tiny", prompt="The king " * 5, max_tokens=1)
     status, body = server.post({"prompt": [[1, 2, 10**6]]})
     assert status == 400 and body["error"]["param"] == "prompt" and "outside the vocabulary" in body["error"]["message"]
     status, body = server.post({"prompt": "zx"})
@@ -348,3 +348,17 @@ def test_lm_eval_local_completions_equals_eval_py(tmp_path, served_run, server):
                                                           (r[0] for r in served[doc_id]["resps"])):
             assert ll == pytest.approx(their_ll, abs=1e-4) and greedy == their_greedy
     assert ours["results"]["served_mc"]["acc,none"] == theirs["results"]["served_mc"]["acc,none"]
+
+
+def test_a_reply_past_the_context_slides_as_sample_py_does(server):
+    """block_size 32: a reply that takes the text past the context continues as model.generate (and
+    sample.py) do, each step over the last 32 tokens, alone and in a batch whose rows cross the context
+    at different steps; /v1/models gives the context as clients read it (vLLM's max_model_len)."""
+    status, body = server.post({"prompt": "The king", "max_tokens": 60, "temperature": 0})
+    assert status == 200 and body["choices"][0]["text"] == server.greedy("The king", 60), body
+    prompts = ["The king", "O heaven, the lord", "Sweet"]
+    status, body = server.post({"prompt": prompts, "max_tokens": 40, "temperature": 0})
+    texts = [c["text"] for c in sorted(body["choices"], key=lambda c: c["index"])]
+    assert status == 200 and texts == [server.greedy(p, 40) for p in prompts]
+    listed = json.loads(server.get("/v1/models"))
+    assert listed["data"][0]["max_model_len"] == listed["data"][0]["context_length"] == 32
