@@ -1,7 +1,7 @@
 """
 Looks inside a trained model: its attention maps for a prompt, and per-head scores on a standard probe.
 
-  python interpret.py --out_dir=out-shakespeare-char-cpu --start="ROMEO: O Romeo, Romeo!"   -> attention.png
+  python interpret.py --out_dir=out-shakespeare-char-cpu --start="ROMEO: O Romeo, Romeo!"   -> out_dir/attention.png
   python interpret.py --out_dir=out-shakespeare-char-cpu --start=FILE:prompt.txt --layer=1 --head=2
   python interpret.py --out_dir=out-shakespeare-char-cpu --scores=True --json=heads.json
   python interpret.py --out_dir=out-shakespeare-char-cpu --probe=True --layer=1 --head=0   the probe's maps
@@ -24,6 +24,7 @@ and for the model, the in-context learning score: the mean loss on the second co
 the first (below 0: the model uses the first copy; a model without induction heads stays near 0).
 """
 
+import os
 from collections import namedtuple
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,7 +47,7 @@ class InterpretConfig:
     probe: bool = False  # draw the maps on the first row of the --scores probe instead of --start
     layer: Optional[int] = None  # draw this layer only (0-based); None = every layer
     head: Optional[int] = None  # draw this head only, full size (with --layer); None = every head
-    png: str = "attention.png"  # where the maps go
+    png: str = ""  # where the maps go; "" = attention.png in the run's folder (in this folder for --init_from)
     scores: bool = False  # per-head scores on the repeated random-token probe instead of maps
     probe_len: int = 0  # tokens in each copy of the probe; 0 = min(64, block_size // 2, vocab_size)
     probe_rows: int = 16  # probe rows (each its own random tokens)
@@ -286,7 +287,8 @@ def interpret(c):
     _, maps = attention_maps(model, ids)
     if c.layer is not None and maps[c.layer] is None:
         raise ConfigError(f"layer {c.layer} is a linear-attention layer: it has no softmax weights to draw")
-    path = draw(maps, token_labels(tokenizer, ids), c.png, c.layer, c.head)
+    png = c.png or (os.path.join(c.out_dir, "attention.png") if c.init_from == "resume" else "attention.png")
+    path = draw(maps, token_labels(tokenizer, ids), png, c.layer, c.head)
     print(f"wrote {path}: {len(ids)} tokens, " + ("every layer and head" if c.layer is None else
           f"layer {c.layer}" + ("" if c.head is None else f", head {c.head}")))
     return maps

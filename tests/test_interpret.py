@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -163,3 +164,18 @@ def test_training_logs_head_scores_and_plot_draws_them(tmp_path, char_dataset):
                for r in evals)
     plotted = run_main("plot.py", str(tmp_path / "run"))
     assert plotted.returncode == 0 or "matplotlib is not installed" in plotted.stdout
+
+
+def test_the_maps_go_into_the_runs_folder_by_default(tmp_path, trained_run, monkeypatch):
+    """Not into the current folder (a stray attention.png was left in the repository's root)."""
+    pytest.importorskip("matplotlib")
+    import shutil
+
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(os.path.join(trained_run, "ckpt.pt"), run / "ckpt.pt")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    drawn = run_main("interpret.py", f"--out_dir={run}", "--start=The king")
+    assert drawn.returncode == 0 and f"wrote {run / 'attention.png'}" in drawn.stdout, drawn.stderr
+    assert (run / "attention.png").exists() and not list((tmp_path / "elsewhere").iterdir())
