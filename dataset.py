@@ -511,7 +511,9 @@ class BatchSampler:
         file_idx = np.searchsorted(self.offsets, picks, side="right") - 1
         rows = [self.files[i].window(int(p - self.offsets[i]), self.block_size + 1) for i, p in zip(file_idx, picks)]
         batch = torch.from_numpy(np.stack(rows))
-        return batch[:, :-1], batch[:, 1:]
+        # contiguous: a pinned copy keeps a view's strides, and a non-contiguous host tensor's copy to a GPU
+        # goes through a pageable temporary (no overlap, a possible stream sync) every micro-step
+        return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
     def state_dict(self):
         return self.generator.get_state()

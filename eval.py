@@ -75,8 +75,10 @@ def token_nats(logits, targets, elements=1 << 24):
     chunk of vocab-sized rows at a time so a GPT-2 vocabulary does not need gigabytes."""
     rows, y = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
     step = max(1, elements // rows.size(1))  # 128 MB of float64 at a time
-    out = [F.cross_entropy(rows[i : i + step].double(), y[i : i + step], reduction="none") for i in range(0, len(y), step)]
-    return torch.cat(out).view(targets.shape)
+    mps = rows.device.type == "mps"  # no float64 there: fp32 losses, summed in float64 on the CPU
+    out = [F.cross_entropy(rows[i : i + step].to(torch.float32 if mps else torch.float64), y[i : i + step],
+                           reduction="none") for i in range(0, len(y), step)]
+    return torch.cat([o.cpu().double() for o in out] if mps else out).view(targets.shape)
 
 
 @torch.no_grad()

@@ -134,7 +134,9 @@ def copying_scores(model):
         for h in range(H):
             g = h // (H // KV)
             v, o = Wv[g * D : (g + 1) * D], Wo[:, h * D : (h + 1) * D]  # (D, C), (C, D)
-            eig = torch.linalg.eigvals((v @ E.T) @ (U @ o))  # (D, V) (V, D): d x d
+            with torch.autocast(E.device.type, enabled=False):  # CUDA's autocast would hand eigvals bf16
+                m = (v @ E.T) @ (U @ o)  # (D, V) (V, D): d x d
+            eig = torch.linalg.eigvals(m.cpu() if m.device.type == "mps" else m)  # MPS has no linalg_eig
             total = eig.abs().sum().item()
             row.append(eig.real.sum().item() / total if total > 0 else 0.0)
         rows.append(row)

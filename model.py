@@ -259,9 +259,9 @@ def lm_loss(logits, targets, z_loss=0.0, label_smoothing=0.0):
         ce = ce.detach()  # reported, not trained on
     if z_loss == 0:
         return loss, ce
-    keep = targets != -1
-    log_z = torch.logsumexp(logits[keep], dim=-1)
-    return loss + z_loss * log_z.square().mean(), ce
+    keep = (targets != -1).to(logits.dtype)  # a mask, not logits[keep]: no host sync, no copy of the logits
+    log_z = torch.logsumexp(logits, dim=-1)
+    return loss + z_loss * (log_z.square() * keep).sum() / keep.sum(), ce
 
 
 class GPT(nn.Module):

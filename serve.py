@@ -69,10 +69,11 @@ class Job:
     handed to `send` (a thread-safe callable of the HTTP side) as ("text", delta, logprobs) and then
     ("done", finish_reason, tokens generated); with echo and logprobs, ("prompt", logprobs) first."""
 
-    def __init__(self, prompt, max_tokens, sampling, seed, stop, logprobs, echo, tokenizer, send):
+    def __init__(self, prompt, max_tokens, sampling, seed, stop, logprobs, echo, tokenizer, send, device="cpu"):
         self.prompt, self.max_tokens, self.sampling, self.stop = prompt, max_tokens, sampling, stop
         self.logprobs, self.echo, self.tokenizer, self.send = logprobs, echo, tokenizer, send
-        self.generator = torch.Generator().manual_seed(seed)
+        # on the model's device: torch.multinomial refuses a generator of another device (CUDA, MPS)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
         self.tokens, self.cache, self.finish_reason, self.cancelled = [], None, None, False
         self.shown = ""  # text sent so far
         self.hold = max((len(s) - 1 for s in stop), default=0)  # what might be the start of a stop string
@@ -371,7 +372,7 @@ def make_app(model, tokenizer, c, name):
         for index, (prompt, j) in enumerate((p, j) for p in prompts for j in range(s["n"])):
             send = lambda event, index=index: loop.call_soon_threadsafe(events.put_nowait, (index, event))  # noqa: E731
             jobs.append(Job(prompt, s["max_tokens"], sampling, seed + j, s["stop"], s["logprobs"], s["echo"],
-                            tokenizer, send))
+                            tokenizer, send, engine.device))
         try:
             engine.submit(jobs)
         except QueueFull:

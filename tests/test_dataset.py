@@ -114,6 +114,7 @@ def test_sampler_is_seeded_and_spans_shards(tmp_path):
     xa, ya = a.sample(300)
     xb, yb = b.sample(300)
     assert torch.equal(xa, xb) and torch.equal(ya[:, :-1], xa[:, 1:])
+    assert xa.is_contiguous() and ya.is_contiguous()  # so pin_memory's copy to a GPU can be asynchronous
     assert (xa[:, 1:] - xa[:, :-1] == 1).all()  # every window lies inside one shard
     assert {int(x) // 1000 for x in xa[:, 0]} == {0, 1, 2}
     state = a.state_dict()

@@ -179,3 +179,16 @@ def test_the_maps_go_into_the_runs_folder_by_default(tmp_path, trained_run, monk
     drawn = run_main("interpret.py", f"--out_dir={run}", "--start=The king")
     assert drawn.returncode == 0 and f"wrote {run / 'attention.png'}" in drawn.stdout, drawn.stderr
     assert (run / "attention.png").exists() and not list((tmp_path / "elsewhere").iterdir())
+
+
+def test_copying_scores_are_fp32_under_autocast():
+    """train.py --log_heads computes them inside the run's autocast: on CUDA a bf16 matrix reached
+    torch.linalg.eigvals, which refuses it. The scores are computed in fp32 whatever autocast says (on
+    CPU, whose autocast ran the products in bf16 before: scores off by about 1e-3)."""
+    from conftest import build
+
+    model = build(n_layer=2)
+    plain = interpret.copying_scores(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = interpret.copying_scores(model)
+    assert under == plain

@@ -148,6 +148,19 @@ def test_z_loss_adds_stated_term():
     assert total.item() > plain.item()
 
 
+def test_the_loss_is_one_graph_with_z_loss_and_label_smoothing():
+    """No boolean indexing (a data-dependent shape: a host sync every micro-step on a GPU, and a graph
+    break under torch.compile): the loss, z-loss and label smoothing included, traces as one graph
+    (torch.compile's front end, fullgraph=True, without inductor's code generation) and equals eager."""
+    logits = torch.randn(2, 16, 61)
+    targets = torch.randint(0, 61, (2, 16))
+    targets[0, :4] = -1
+    traced = torch.compile(lm_loss, backend="eager", fullgraph=True)
+    for z_loss, smoothing in ((1e-2, 0.0), (1e-2, 0.1)):
+        for eager, graph in zip(lm_loss(logits, targets, z_loss, smoothing), traced(logits, targets, z_loss, smoothing)):
+            torch.testing.assert_close(graph, eager, rtol=0, atol=0)
+
+
 def test_label_smoothing_is_the_training_loss_only():
     model = build(label_smoothing=0.1)
     idx, targets = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16))
