@@ -1,0 +1,147 @@
+"""The device tier: every user-facing path on a CUDA GPU (train.py with compile, DDP and FSDP2 under torchrun,
+each resumed; stability and head logging; sample.py sampled, greedy and with both drafts; serve.py's engine;
+eval.py; interpret.py; bench.py), and no host synchronisation inside a training step. Skips, saying why,
+where there is no GPU; ../shared/gpu-check.sh runs it on a lent one. The GPU machine has torch, tiktoken and
+transformers but no fastapi, datasets or wandb: nothing here needs them."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import TINY_RUN, read_metrics, run_main, run_script
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the device tier runs on a GPU "
+                                "(../shared/gpu-check.sh)")
+CUDA = [a for a in TINY_RUN if not a.startswith(("--device", "--dtype"))] + ["--device=cuda", "--dtype=auto"]
+
+
+def ok(result):
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-3000:])
+    return result
+
+
+@pytest.fixture(scope="module")
+def cuda_run(tmp_path_factory, char_dataset):
+    """A tiny model trained on the GPU with torch.compile, then resumed: its out_dir."""
+    out = tmp_path_factory.mktemp("cuda") / "run"
+    first = ok(run_main("train.py", *CUDA, f"--dataset={char_dataset}", f"--out_dir={out}", "--max_iters=10",
+                        "--compile=True"))
+    assert "cuda" in first.stdout and "precision: " in first.stdout
+    ok(run_main("train.py", f"--out_dir={out}", f"--dataset={char_dataset}", "--init_from=resume", "--max_iters=20"))
+    assert [r["iter"] for r in read_metrics(out) if "val_loss" in r] == [0, 5, 10, 15, 20]
+    return str(out)
+
+
+def test_compiled_training_resumes_and_logs_stability_and_heads(tmp_path, cuda_run, char_dataset):
+    records = read_metrics(cuda_run)
+    assert all(r["loss"] == r["loss"] for r in records if "loss" in r)  # finite
+    logged = ok(run_main("train.py", *CUDA, f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'logged'}",
+                         "--max_iters=4", "--eval_interval=4", "--log_stability=True", "--log_heads=True"))
+    last = [r for r in read_metrics(tmp_path / "logged") if "val_loss" in r][-1]
+    for key in ("max_attn_logit", "mean_log_z", "induction_score", "icl_score"):
+        assert isinstance(last[key], float), (key, logged.stdout[-1000:])
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_torchrun_one_gpu_with_ddp_and_fsdp_then_resume(tmp_path, char_dataset, fsdp):
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py", *CUDA,
+            f"--dataset={char_dataset}", f"--out_dir={tmp_path}", f"--fsdp={fsdp}"]
+    ok(run_script(*args, "--max_iters=6", "--eval_interval=3"))
+    ok(run_script(*args, "--init_from=resume", "--max_iters=9", "--eval_interval=3"))
+    assert [r["iter"] for r in read_metrics(tmp_path) if "val_loss" in r] == [0, 3, 6, 9]
+
+
+@pytest.mark.parametrize("args", [["--temperature=0.8"], ["--temperature=0"], ["--draft=ngram", "--temperature=0"],
+                                  ["--draft=DRAFT", "--temperature=0.8"]], ids=["sampled", "greedy", "ngram", "model"])
+def test_sample_on_the_gpu(cuda_run, args):
+    args = [a.replace("DRAFT", cuda_run) for a in args]  # the model as its own draft: every draft accepted
+    result = ok(run_main("sample.py", f"--out_dir={cuda_run}", "--device=cuda", "--num_samples=2",
+                         "--max_new_tokens=40", "--start=The king", *args))
+    assert result.stdout.count("---------------") == 2
+
+
+def test_greedy_text_on_the_gpu_equals_the_cpus(cuda_run):
+    """fp32 weights, greedy: the GPU's text is the CPU's (TF32 may flip a near-tie: compared over 20 tokens)."""
+    texts = [ok(run_main("sample.py", f"--out_dir={cuda_run}", f"--device={d}", "--num_samples=1",
+                         "--max_new_tokens=20", "--temperature=0", "--start=The king")).stdout for d in ("cpu", "cuda")]
+    assert texts[0] == texts[1]
+
+
+def test_the_serve_engine_on_the_gpu(cuda_run):
+    """serve.py's Engine (no FastAPI needed): sampled and greedy requests batched together; the greedy one
+    equals model.generate."""
+    import threading
+
+    import serve
+    from checkpoint import load_any
+    from generate import Sampling
+
+    model, tokenizer, _ = load_any(cuda_run)
+    model = model.to("cuda").eval()
+    engine = serve.Engine(model, max_batch=4, max_queue=4)
+    done, events = threading.Event(), {0: [], 1: []}
+
+    def sender(i):
+        def send(event):
+            events[i].append(event)
+            if event[0] in ("done", "error") and all(e and e[-1][0] in ("done", "error") for e in events.values()):
+                done.set()
+        return send
+
+    prompt = tokenizer.encode("The king")
+    jobs = [serve.Job(prompt, 30, Sampling(temperature=0), 0, [], None, False, tokenizer, sender(0), engine.device),
+            serve.Job(prompt, 30, Sampling(temperature=1.0, top_k=5), 1, [], None, False, tokenizer, sender(1), engine.device)]
+    engine.submit(jobs)
+    assert done.wait(120), events
+    assert all(e[-1][0] == "done" for e in events.values()), events
+    greedy = "".join(e[1] for e in events[0] if e[0] == "text")
+    expected = model.generate(torch.tensor([prompt], device="cuda"), 30, Sampling(temperature=0))[0, len(prompt):]
+    assert greedy == tokenizer.decode(expected.tolist())
+
+
+def test_eval_bits_per_byte_on_the_gpu_within_1e_3_of_the_cpus(tmp_path, cuda_run):
+    scores = {}
+    for device in ("cpu", "cuda"):
+        ok(run_main("eval.py", f"--out_dir={cuda_run}", f"--device={device}", "--dtype=float32",
+                    f"--json={tmp_path / device}.json"))
+        scores[device] = json.loads((tmp_path / f"{device}.json").read_text())["bits_per_byte"]
+    assert abs(scores["cuda"] - scores["cpu"]) <= 1e-3, scores
+
+
+def test_interpret_on_the_gpu(tmp_path, cuda_run):
+    pytest.importorskip("matplotlib")
+    ok(run_main("interpret.py", f"--out_dir={cuda_run}", "--start=The king", f"--png={tmp_path / 'maps.png'}"))
+    scored = ok(run_main("interpret.py", f"--out_dir={cuda_run}", "--scores=True"))
+    assert "induction" in scored.stdout
+
+
+@pytest.mark.parametrize("what", ["train", "sample"])
+def test_bench_on_the_gpu(tmp_path, what):
+    shape = ["--n_layer=2", "--n_head=2", "--n_embd=64", "--vocab_size=65", "--block_size=64", "--device=cuda"]
+    extra = ["--steps=3", "--rounds=5"] if what == "train" else ["--prompt_len=8", "--new_tokens=20", "--contexts=10"]
+    ok(run_main("bench.py", what, *shape, *extra, f"--json={tmp_path / 'b.json'}"))
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result and all(v is None or v == v for v in result.values() if isinstance(v, float))
+
+
+def test_a_training_step_makes_no_host_synchronisation(char_dataset, tmp_path):
+    """Between two log lines a step must not wait for the GPU: torch.cuda.set_sync_debug_mode("error")
+    raises on any synchronising call (an .item(), a boolean index, a pageable copy)."""
+    import train
+    from configurator import parse
+
+    values, explicit = parse(train.config_keys(), [*CUDA, f"--dataset={char_dataset}", f"--out_dir={tmp_path}"])
+    c = train.TrainConfig(**values)
+    run = train.Run(c, explicit, None)
+    run.wrap()
+    first_bad = torch.full((), -1, dtype=torch.long, device=run.device)
+    run.step(0, 1e-3, first_bad)  # warm: lazy initialisation may synchronise once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for it in range(1, 4):
+            first_bad = run.step(it, 1e-3, first_bad)[3]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert int(first_bad) == -1
