@@ -240,7 +240,7 @@ def bench_train(model, c, device, dtype):
     tokens_per_sec = B * T / (ms / 1000)
     device_type = torch.device(device).type
     measured_peak = None if device_type == "cuda" else matmul_peak(getattr(torch, dtype), device)
-    peak = cuda_peak_flops(device) if device_type == "cuda" else measured_peak
+    peak = cuda_peak_flops(device, dtype) if device_type == "cuda" else measured_peak
     result = {
         "shape": f"{config.n_layer}x{config.n_embd}, T{T}, B{B}", "dtype": dtype, "optimizer": c.optimizer,
         "ms_per_step": ms,

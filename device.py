@@ -236,34 +236,43 @@ class Dist:
 # ----------------------------------------------------------------------------------------------------
 # MFU
 
-# Dense bf16/fp16 tensor-core peaks (FLOP/s), from the vendors' data sheets; matched by name, first hit.
+# Dense tensor-core peaks, FLOP/s, from NVIDIA's datasheets (sparsity halved away): (name pattern, bf16/fp16,
+# tf32 or, without TF32, fp32). Most specific first; a name matches at word boundaries ("L40" is not "L4",
+# "H20" is not "H200"), and the NVL and PCIe parts are their own rows.
 CUDA_PEAK_FLOPS = [
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("L4", 121e12),
-    ("A10G", 70e12),
-    ("A10", 125e12),
-    ("RTX 4090", 165e12),
-    ("RTX 3090", 71e12),
-    ("V100", 125e12),
-    ("T4", 65e12),
-]
+    (r"B200", 2250e12, 1100e12),
+    (r"H200 NVL", 835e12, 418e12), (r"H200", 989e12, 494e12),
+    (r"H100 NVL", 835e12, 418e12), (r"H100 PCIe", 756e12, 378e12), (r"H100", 989e12, 494e12),
+    (r"H800 PCIe", 756e12, 378e12), (r"H800", 989e12, 494e12),
+    (r"H20", 148e12, 74e12),
+    (r"A100", 312e12, 156e12),
+    (r"L40S", 362e12, 183e12), (r"L40", 181e12, 90.5e12), (r"L4", 121e12, 60e12),
+    (r"A10G", 70e12, 35e12), (r"A10", 125e12, 62.5e12),
+    (r"RTX 4090", 165e12, 82.6e12), (r"RTX 3090", 71e12, 35.6e12),
+    (r"V100", 125e12, 15.7e12), (r"T4", 65e12, 8.1e12),  # no TF32: fp32's own peak
+]  # fmt: skip
 
 
-def cuda_peak_flops(device):
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in CUDA_PEAK_FLOPS if key in name), None)
+def peak_flops_of(name, dtype="bfloat16"):
+    """A GPU's dense peak for a compute dtype (float32 runs use TF32, which train.py allows), or None."""
+    import re
+
+    for pattern, half, single in CUDA_PEAK_FLOPS:
+        if re.search(rf"\b{pattern}\b", name):
+            return single if dtype == "float32" else half
+    return None
 
 
-def estimate_mfu(model, tokens_per_sec, seq_len, device=None, peak_flops=None):
+def cuda_peak_flops(device, dtype="bfloat16"):
+    return peak_flops_of(torch.cuda.get_device_name(device), dtype)
+
+
+def estimate_mfu(model, tokens_per_sec, seq_len, device=None, peak_flops=None, dtype="bfloat16"):
     """Model FLOPs utilisation: achieved training FLOP/s over the device's peak. peak_flops wins; else a
-    CUDA device's dense bf16/fp16 tensor-core peak from the table; else (CPU, unknown GPU) None: a CPU's
+    CUDA device's dense tensor-core peak for the compute dtype from the table; else (CPU, unknown GPU) None: a CPU's
     peak must be measured (bench.py does)."""
     if peak_flops is None and device is not None and torch.device(device).type == "cuda":
-        peak_flops = cuda_peak_flops(device)
+        peak_flops = cuda_peak_flops(device, dtype)
     if peak_flops is None:
         return None
     return model.flops_per_token(seq_len) * tokens_per_sec / peak_flops

@@ -418,7 +418,7 @@ def step_record(run, iter_num, lr, loss_sum, ce_sum, grad_norm, skipped, seconds
     loss = world.mean(loss_sum / run.micro_steps).item()
     ce = world.mean(ce_sum / run.micro_steps).item()
     tokens_per_sec = steps * tokens_per_step(run.train_config) / max(seconds, 1e-9)
-    mfu = estimate_mfu(run.raw_model, tokens_per_sec / world.size, config.block_size, run.device)
+    mfu = estimate_mfu(run.raw_model, tokens_per_sec / world.size, config.block_size, run.device, dtype=run.dtype)
     record = {"iter": iter_num, "loss": loss, "ce": ce, "lr": lr, "grad_norm": grad_norm.item(),
               "tokens_per_sec": tokens_per_sec, "ms_per_iter": 1000 * seconds / steps, "elapsed": elapsed}
     if config.z_loss > 0 and not config.label_smoothing:

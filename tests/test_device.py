@@ -139,3 +139,19 @@ def test_cpu_runs_reuse_freed_memory_instead_of_faulting_it_back():
     name, kept, default, after = done.stdout.split()
     assert (name, kept) == ("cpu", "True")
     assert int(default) > 4 * int(after), (default, after)
+
+
+@pytest.mark.parametrize("name, dtype, peak", [
+    ("NVIDIA L40", "bfloat16", 181e12), ("NVIDIA L40S", "bfloat16", 362e12), ("NVIDIA L4", "bfloat16", 121e12),
+    ("NVIDIA H100 80GB HBM3", "bfloat16", 989e12), ("NVIDIA H100 PCIe", "bfloat16", 756e12),
+    ("NVIDIA H100 NVL", "bfloat16", 835e12), ("NVIDIA H200", "bfloat16", 989e12), ("NVIDIA H200 NVL", "bfloat16", 835e12),
+    ("NVIDIA H20", "bfloat16", 148e12), ("NVIDIA H800", "bfloat16", 989e12), ("NVIDIA B200", "bfloat16", 2250e12),
+    ("NVIDIA A100-SXM4-80GB", "float32", 156e12), ("NVIDIA A10G", "bfloat16", 70e12), ("NVIDIA A10", "float16", 125e12),
+    ("Tesla T4", "float32", 8.1e12), ("Some Future GPU", "bfloat16", None),
+])  # fmt: skip
+def test_the_mfu_peak_is_the_named_gpus_for_the_dtype(name, dtype, peak):
+    """Names match whole ("L40" was read as "L4", the NVL parts as the SXM ones; B200, H800, H20 were
+    missing), and an fp32 run (TF32 allowed) is measured against the TF32 peak, not the bf16 one."""
+    from device import peak_flops_of
+
+    assert peak_flops_of(name, dtype) == peak
