@@ -505,9 +505,11 @@ class BatchSampler:
         self.offsets = np.cumsum(self.starts_per_file) - self.starts_per_file
         self.generator = torch.Generator().manual_seed(seed)
 
-    def sample(self, n):
-        """n windows -> (x, y), each (n, block_size) int64, y shifted by one."""
-        picks = torch.randint(self.total, (n,), generator=self.generator).numpy()
+    def sample(self, n, rows=slice(None)):
+        """n windows -> (x, y), each (n, block_size) int64, y shifted by one. rows: which of the n to read
+        (a process's share under torchrun): every process draws all n, so the random stream stays the same
+        in each, and reads only its own."""
+        picks = torch.randint(self.total, (n,), generator=self.generator).numpy()[rows]
         file_idx = np.searchsorted(self.offsets, picks, side="right") - 1
         rows = [self.files[i].window(int(p - self.offsets[i]), self.block_size + 1) for i, p in zip(file_idx, picks)]
         batch = torch.from_numpy(np.stack(rows))

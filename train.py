@@ -367,13 +367,13 @@ class Run:
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
                 group["lr"] = lr
-        x_all, y_all = self.train_batches.sample(c.gradient_accumulation_steps * c.batch_size)
+        mine = slice(world.rank * micro_steps * c.batch_size, (world.rank + 1) * micro_steps * c.batch_size)
+        x_mine, y_mine = self.train_batches.sample(c.gradient_accumulation_steps * c.batch_size, mine)
         loss_sum = torch.zeros((), device=self.device)
         ce_sum = torch.zeros((), device=self.device)
         for micro in range(micro_steps):
-            rows = slice((world.rank * micro_steps + micro) * c.batch_size,
-                         (world.rank * micro_steps + micro + 1) * c.batch_size)  # fmt: skip
-            x, y = self.to_device(x_all[rows]), self.to_device(y_all[rows])
+            rows = slice(micro * c.batch_size, (micro + 1) * c.batch_size)
+            x, y = self.to_device(x_mine[rows]), self.to_device(y_mine[rows])
             with self.grad_sync(micro == micro_steps - 1):
                 with self.autocast:
                     logits, _ = self.model(x)

@@ -121,6 +121,13 @@ def test_sampler_is_seeded_and_spans_shards(tmp_path):
     after = a.sample(5)[0]
     b.load_state_dict(state)
     assert torch.equal(b.sample(5)[0], after)
+    # a torchrun process reads only its own rows of a step's windows; together they are one process's
+    ranks = [BatchSampler(files, 8, seed=2) for _ in range(3)]
+    whole = BatchSampler(files, 8, seed=2).sample(12)
+    shares = [r.sample(12, slice(4 * i, 4 * (i + 1))) for i, r in enumerate(ranks)]
+    assert all(x.shape == (4, 8) for x, _ in shares)
+    assert torch.equal(torch.cat([x for x, _ in shares]), whole[0]) and torch.equal(torch.cat([y for _, y in shares]), whole[1])
+    assert all(torch.equal(r.state_dict(), ranks[0].state_dict()) for r in ranks)  # the same stream in each
 
 
 # ---------------------------------------------------------------------------------------------------
