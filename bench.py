@@ -79,8 +79,12 @@ def config_keys():
 
 
 def sync(device):
-    if torch.device(device).type == "cuda":
+    """Waits for the device's queued work, so a timing is of the work and not of queueing it."""
+    kind = torch.device(device).type
+    if kind == "cuda":
         torch.cuda.synchronize(device)
+    elif kind == "mps":
+        torch.mps.synchronize()
 
 
 def seconds(fn, device):
@@ -135,6 +139,8 @@ def copy_bandwidth(device, n_bytes=1 << 29, repeats=5):
 def peak_memory(device):
     if torch.device(device).type == "cuda":
         return {"peak_gpu_memory_mb": torch.cuda.max_memory_allocated(device) / 2**20}
+    if torch.device(device).type == "mps":  # the process's RSS says nothing of the GPU's share of memory
+        return {"mps_driver_memory_mb": torch.mps.driver_allocated_memory() / 2**20}
     scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
     return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 2**20}
 

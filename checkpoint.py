@@ -105,6 +105,8 @@ class RunState:
             torch.set_rng_state(rng["cpu"][run.world.rank])
             if run.device_type == "cuda" and rng["cuda"][run.world.rank] is not None:
                 torch.cuda.set_rng_state(rng["cuda"][run.world.rank])
+            if run.device_type == "mps" and (rng.get("mps") or [None])[run.world.rank] is not None:
+                torch.mps.set_rng_state(rng["mps"][run.world.rank])  # dropout's masks, as the run would have drawn
         self.iter_num, self.best_val, self.evaluated_at = ckpt["iter_num"], ckpt["best_val_loss"], ckpt["evaluated_at"]
         self.metrics_bytes, self.elapsed_before = ckpt["metrics_bytes"], ckpt["elapsed"]
 
@@ -114,7 +116,9 @@ class RunState:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_state, optim_state = get_state_dict(run.raw_model, run.optimizers, options=options)
         cuda = run.device_type == "cuda"
-        rng = run.world.gather((torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None))
+        mps = run.device_type == "mps"
+        rng = run.world.gather((torch.get_rng_state(), torch.cuda.get_rng_state() if cuda else None,
+                                torch.mps.get_rng_state() if mps else None))
         if not run.world.master:
             return
         state = {
@@ -123,7 +127,7 @@ class RunState:
             "model_config": asdict(run.model_config), "train_config": asdict(run.train_config),
             "tokenizer": run.data_meta["tokenizer"], "iter_num": self.iter_num, "best_val_loss": self.best_val,
             "evaluated_at": self.evaluated_at, "sampler": run.train_batches.state_dict(),
-            "rng": {"cpu": [r[0] for r in rng], "cuda": [r[1] for r in rng]},
+            "rng": {"cpu": [r[0] for r in rng], "cuda": [r[1] for r in rng], "mps": [r[2] for r in rng]},
             "metrics_bytes": logger.durable_size(), "elapsed": self.elapsed(),
             "precision": {"dtype": run.dtype, "newton_schulz": str(run.newton_schulz).removeprefix("torch.")},
         }  # fmt: skip

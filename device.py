@@ -46,13 +46,17 @@ class Precision:
 
 
 def pick_device(name):
-    """The device name for a device key's value; on CPU, also keep_freed_memory()."""
+    """The device name for a device key's value; on CUDA, also TF32 for fp32 matmuls and convolutions
+    (every script: sample, serve, eval and bench ran full-IEEE fp32 before); on CPU, keep_freed_memory()."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError("device=cuda but CUDA is not available; use device=cpu or device=auto")
     if name == "mps" and not torch.backends.mps.is_available():
         raise ConfigError("device=mps but MPS is not available; use device=cpu or device=auto")
+    if name == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     if name == "cpu":
         keep_freed_memory()
     return name

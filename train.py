@@ -234,9 +234,7 @@ class Run:
         self.world = world = Dist(self.device_type, c.dist_timeout)
         self.device = f"cuda:{world.local_rank}" if self.device_type == "cuda" else self.device_type
         if self.device_type == "cuda":
-            torch.cuda.set_device(self.device)
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+            torch.cuda.set_device(self.device)  # (pick_device allowed TF32)
         # precision: as set, or measured at the run's start and kept by every resume (a measurement near
         # the threshold could otherwise flip it between starts, and the run would not continue bit for bit)
         kept = (ckpt or {}).get("precision")

@@ -145,3 +145,11 @@ def test_a_training_step_makes_no_host_synchronisation(char_dataset, tmp_path):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert int(first_bad) == -1
+
+
+def test_every_script_gets_tf32_from_pick_device():
+    from device import pick_device
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    assert pick_device("cuda") == "cuda"
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
