@@ -324,14 +324,16 @@ class GPT(nn.Module):
                 n -= self.tok_emb.weight.numel()
         return n
 
-    def forward(self, idx, targets=None, kv_cache=None):
+    def forward(self, idx, targets=None, kv_cache=None, with_ce=False):
         """idx (B, T) -> (logits (B, T, vocab), loss or None). With kv_cache, idx continues the cached
-        sequence at position kv_cache.length."""
+        sequence at position kv_cache.length. with_ce: the loss is lm_loss's (loss, cross_entropy), which
+        train.py takes from here so the loss runs inside the compiled forward (nanoGPT's way), not after it."""
         x = self.hidden_states(idx, kv_cache)
         logits = self.lm_head(x)
         if targets is None:
             return logits, None
-        return logits, lm_loss(logits, targets, self.config.z_loss, self.config.label_smoothing)[0]
+        losses = lm_loss(logits, targets, self.config.z_loss, self.config.label_smoothing)
+        return logits, losses if with_ce else losses[0]
 
     def hidden_states(self, idx, kv_cache=None):
         B, T = idx.shape

@@ -374,8 +374,7 @@ class Run:
             x, y = self.to_device(x_mine[rows]), self.to_device(y_mine[rows])
             with self.grad_sync(micro == micro_steps - 1):
                 with self.autocast:
-                    logits, _ = self.model(x)
-                loss, ce = lm_loss(logits, y, self.model_config.z_loss, self.model_config.label_smoothing)
+                    _, (loss, ce) = self.model(x, y, with_ce=True)  # the loss inside the compiled graph
                 self.scaler.scale(loss / micro_steps).backward()
             loss_sum += loss.detach()
             ce_sum += ce.detach()

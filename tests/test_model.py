@@ -148,6 +148,18 @@ def test_z_loss_adds_stated_term():
     assert total.item() > plain.item()
 
 
+def test_the_training_forward_with_its_loss_is_one_graph():
+    """train.py takes (loss, cross_entropy) from the forward itself, so torch.compile puts the loss in the
+    model's graph (no graph break: fullgraph=True traces it whole) and it equals the eager loss."""
+    model = build(z_loss=1e-2, label_smoothing=0.1, pos_emb="rope", norm="rmsnorm")
+    idx, targets = torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16))
+    traced = torch.compile(model, backend="eager", fullgraph=True)
+    (_, eager), (_, graph) = model(idx, targets, with_ce=True), traced(idx, targets, with_ce=True)
+    for a, b in zip(eager, graph):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert eager[0] > eager[1]  # the training loss carries the z-loss and smoothing terms; ce is plain
+
+
 def test_the_loss_is_one_graph_with_z_loss_and_label_smoothing():
     """No boolean indexing (a data-dependent shape: a host sync every micro-step on a GPU, and a graph
     break under torch.compile): the loss, z-loss and label smoothing included, traces as one graph
