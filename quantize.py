@@ -161,13 +161,25 @@ def quantize_int8(model):
     return model.eval()
 
 
-WEIGHTS_DTYPES = ("float32", "bfloat16", "float16", "int8")  # what for_inference takes
+WEIGHTS_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")  # what for_inference takes
+
+
+def inference_weights(name, device_type):
+    """The weight format `auto` means on a device: bf16 on a GPU with native bf16 (half the bytes each
+    decode step reads, and tensor cores), else float32 (a CPU's exact default: bf16 or int8 there is a
+    choice to make, measured in docs/benchmarks.md); any other name as it is."""
+    if name != "auto":
+        return name
+    if device_type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
+        return "bfloat16"
+    return "float32"
 
 
 def for_inference(model, weights_dtype):
-    """The model in eval mode with its weights in weights_dtype (float32, bfloat16, float16, or int8 =
-    quantize_int8), in place. On CPU, one-token steps go through RowLinear with the row product measured
-    fastest here (row_product)."""
+    """The model in eval mode with its weights in weights_dtype (auto: inference_weights; float32, bfloat16,
+    float16, or int8 = quantize_int8), in place. On CPU, one-token steps go through RowLinear with the row
+    product measured fastest here (row_product)."""
+    weights_dtype = inference_weights(weights_dtype, next(model.parameters()).device.type)
     if weights_dtype == "int8":
         return quantize_int8(model)
     model.eval().to(dtype=getattr(torch, weights_dtype))

@@ -23,7 +23,7 @@ from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import EOT, DataError, continuation
 from device import DEVICES, pick_device, precision
 from generate import Sampling, check_max_new_tokens
-from quantize import WEIGHTS_DTYPES, for_inference
+from quantize import WEIGHTS_DTYPES, for_inference, inference_weights
 
 
 @dataclass
@@ -38,7 +38,7 @@ class SampleConfig(ContextKeys):
     top_p: Optional[float] = None  # sample from the smallest set of tokens whose probability reaches p; None = off
     seed: int = 1337  # sample i uses seed + i
     device: str = "auto"  # auto | cpu | cuda | mps
-    weights_dtype: str = "float32"  # weights for inference: float32 | bfloat16 | float16 | int8 (CPU; quantised, see docs/guide.md)
+    weights_dtype: str = "auto"  # weights for inference: auto (bf16 on a GPU with bf16, else float32) | float32 | bfloat16 | float16 | int8 (CPU; quantised, see docs/guide.md)
     stream: bool = False  # print text as tokens arrive (needs num_samples=1)
     stop: Optional[str] = None  # end each sample before this string (\n, \t, \\ as in start); <|endoftext|> = the end-of-text token
     draft: str = ""  # speculative decoding: ngram (prompt lookup) | a smaller model's out_dir or Hugging Face name/directory; "" = off
@@ -119,7 +119,8 @@ def decode(tokenizer, prompt_ids, ids, stop):
 def log_precision(c, device, ids, config):
     """One line on stderr, once the input has passed its checks (bad input gets its error line alone), and
     the notes on the run's length (length_notes)."""
-    print(f"precision: {c.weights_dtype} weights | {precision(torch.device(device).type).why}", file=sys.stderr)
+    weights = inference_weights(c.weights_dtype, torch.device(device).type)
+    print(f"precision: {weights} weights | {precision(torch.device(device).type).why}", file=sys.stderr)
     for note in length_notes(c, len(ids), config):
         print(note, file=sys.stderr, flush=True)
 

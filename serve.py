@@ -49,7 +49,7 @@ class ServeConfig(ContextKeys):
     host: str = "127.0.0.1"  # 0.0.0.0 serves other machines too (set api_key then)
     port: int = 8000
     device: str = "auto"  # auto | cpu | cuda | mps
-    weights_dtype: str = "float32"  # float32 | bfloat16 | float16 | int8 (CPU; quantised, see docs/guide.md)
+    weights_dtype: str = "auto"  # auto (bf16 on a GPU with bf16, else float32) | float32 | bfloat16 | float16 | int8 (CPU; quantised, see docs/guide.md)
     max_batch: int = 8  # requests decoded together; more wait in the queue
     max_queue: int = 64  # requests waiting beyond the batch; past it, 503 with Retry-After
     api_key: str = ""  # if set, requests must send Authorization: Bearer <api_key>

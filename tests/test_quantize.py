@@ -126,3 +126,15 @@ def test_int8_model_stays_close_to_the_float_model(arch):
             assert error < 0.1 * reference.std(), (error, reference.std())
     tokens = quantized.generate(idx[:1, :4], 10, GREEDY)
     assert tokens.shape == (1, 14) and tokens.max() < 100
+
+
+def test_auto_weights_are_bf16_on_a_gpu_with_bf16_and_float32_elsewhere(monkeypatch):
+    """sample.py's and serve.py's default: a GPU ran full fp32 weights (and an fp32 cache) by default."""
+    from quantize import inference_weights
+
+    assert inference_weights("auto", "cpu") == inference_weights("auto", "mps") == "float32"
+    assert inference_weights("int8", "cpu") == "int8"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
+    assert inference_weights("auto", "cuda") == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    assert inference_weights("auto", "cuda") == "float32"
