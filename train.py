@@ -193,9 +193,11 @@ def train(c, explicit, script=False, chosen=None):
                     last_log_time, last_log_iter = now, it + 1
                 state.iter_num = it + 1
 
-            # every process must stop after the same step: agree on it (one small all-reduce per step
-            # under torchrun; nothing in a single process)
-            if stopping or world.any(stop.signum is not None, run.device):
+            # every process must stop after the same step: agree on it, under torchrun at each log step
+            # (an all-reduce and its host sync on every step would stall a GPU's queue; a stop request
+            # then waits up to log_interval steps), in a single process at once, with no collective
+            agree = not world.enabled or state.iter_num % c.log_interval == 0 or state.iter_num >= c.max_iters
+            if stopping or (agree and world.any(stop.signum is not None, run.device)):
                 check_finite(first_bad, ckpt_path)
                 if c.always_save_checkpoint:
                     state.save(run, ckpt_path, logger)
