@@ -105,7 +105,7 @@ class RunState:
             torch.set_rng_state(rng["cpu"][run.world.rank])
             if run.device_type == "cuda" and rng["cuda"][run.world.rank] is not None:
                 torch.cuda.set_rng_state(rng["cuda"][run.world.rank])
-            if run.device_type == "mps" and (rng.get("mps") or [None])[run.world.rank] is not None:
+            if run.device_type == "mps" and (rng.get("mps") or [None] * self.rng_processes)[run.world.rank] is not None:
                 torch.mps.set_rng_state(rng["mps"][run.world.rank])  # dropout's masks, as the run would have drawn
         self.iter_num, self.best_val, self.evaluated_at = ckpt["iter_num"], ckpt["best_val_loss"], ckpt["evaluated_at"]
         self.metrics_bytes, self.elapsed_before = ckpt["metrics_bytes"], ckpt["elapsed"]
@@ -129,7 +129,8 @@ class RunState:
             "evaluated_at": self.evaluated_at, "sampler": run.train_batches.state_dict(),
             "rng": {"cpu": [r[0] for r in rng], "cuda": [r[1] for r in rng], "mps": [r[2] for r in rng]},
             "metrics_bytes": logger.durable_size(), "elapsed": self.elapsed(),
-            "precision": {"dtype": run.dtype, "newton_schulz": str(run.newton_schulz).removeprefix("torch.")},
+            "precision": {"dtype": run.dtype, "newton_schulz": str(run.newton_schulz).removeprefix("torch."),
+                          "device_type": run.device_type},
         }  # fmt: skip
         save_checkpoint(path, state)
 

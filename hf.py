@@ -252,7 +252,7 @@ def gpt2_hf_config(config):
 
 
 def llama_config(hf, directory, act="silu"):
-    if hf.get("hidden_act", "silu") != act:
+    if hf.get("hidden_act", act) != act:  # absent: the family's default
         raise PretrainedError(f"{directory}: {hf.get('model_type', 'llama')} activation {hf['hidden_act']!r} is not "
                               f"supported ({act} only)")
     if hf.get("attention_bias") or hf.get("mlp_bias"):

@@ -184,7 +184,7 @@ def length_notes(c, prompt_tokens, config):
     block_size, as serve.py does too), and a long one that prints nothing until it ends."""
     notes = []
     limit = config.context_limit
-    if limit is not None and prompt_tokens + c.max_new_tokens > limit:
+    if limit is not None and prompt_tokens + c.max_new_tokens - 1 > limit:  # the last token comes from P + N - 1
         notes.append(f"note: {prompt_tokens} prompt + {c.max_new_tokens:,} new tokens pass block_size={limit}: from "
                      f"there each token runs the last {limit} afresh (no cache), slower per token")
     if c.max_new_tokens >= LONG_RUN and not c.stream:

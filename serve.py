@@ -36,7 +36,7 @@ from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import DataError, continuation
 from device import DEVICES, pick_device, precision
 from generate import Sampling, sample_next
-from quantize import WEIGHTS_DTYPES, for_inference
+from quantize import WEIGHTS_DTYPES, for_inference, inference_weights
 
 MAX_BODY_BYTES = 1 << 20  # a request larger than 1 MB is refused (413) before it is parsed
 MAX_LOGPROBS = 20
@@ -570,7 +570,8 @@ def serve(c):
     model = checked(for_inference, model.to(device=device), c.weights_dtype)
     name = c.model_name or (c.out_dir if c.init_from == "resume" else c.init_from).rstrip("/").split("/")[-1]
     app = make_app(model, tokenizer, c, name)
-    print(f"precision: {c.weights_dtype} weights | {precision(torch.device(device).type).why}", file=sys.stderr)
+    weights = inference_weights(c.weights_dtype, torch.device(device).type)
+    print(f"precision: {weights} weights | {precision(torch.device(device).type).why}", file=sys.stderr)
     print(f"serving {name} on http://{c.host}:{c.port} (max_batch={c.max_batch}, max_queue={c.max_queue})",
           file=sys.stderr)
     uvicorn.run(app, host=c.host, port=c.port, log_level="warning")

@@ -240,10 +240,13 @@ class Run:
         # precision: as set, or measured at the run's start and kept by every resume (a measurement near
         # the threshold could otherwise flip it between starts, and the run would not continue bit for bit)
         kept = (ckpt or {}).get("precision")
+        if kept and (kept.get("device_type", self.device_type) != self.device_type
+                     or c.dtype != ckpt["train_config"]["dtype"]):  # another device, or another dtype asked for
+            kept = None
         fast = precision(self.device_type)
-        self.dtype = kept["dtype"] if kept and "dtype" not in explicit else pick_dtype(c.dtype, self.device_type)
+        self.dtype = kept["dtype"] if kept else pick_dtype(c.dtype, self.device_type)
         self.newton_schulz = getattr(torch, kept["newton_schulz"]) if kept else fast.newton_schulz
-        how = "kept from the checkpoint's start" if kept and "dtype" not in explicit else "chosen" if c.dtype == "auto" else "as set"
+        how = "kept from the checkpoint's start" if kept else "chosen" if c.dtype == "auto" else "as set"
         muon = f", Muon's Newton-Schulz in {str(self.newton_schulz).removeprefix('torch.')}" if c.optimizer == "muon" else ""
         self.precision_line = f"precision: {self.dtype} ({how}){muon} | {fast.why}"
         if c.gradient_accumulation_steps % world.size:

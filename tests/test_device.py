@@ -147,7 +147,8 @@ def test_cpu_runs_reuse_freed_memory_instead_of_faulting_it_back():
     ("NVIDIA H100 NVL", "bfloat16", 835e12), ("NVIDIA H200", "bfloat16", 989e12), ("NVIDIA H200 NVL", "bfloat16", 835e12),
     ("NVIDIA H20", "bfloat16", 148e12), ("NVIDIA H800", "bfloat16", 989e12), ("NVIDIA B200", "bfloat16", 2250e12),
     ("NVIDIA A100-SXM4-80GB", "float32", 156e12), ("NVIDIA A10G", "bfloat16", 70e12), ("NVIDIA A10", "float16", 125e12),
-    ("Tesla T4", "float32", 8.1e12), ("Some Future GPU", "bfloat16", None),
+    ("Tesla T4", "float32", 8.1e12), ("NVIDIA GH200 480GB", "bfloat16", 989e12), ("NVIDIA A800-SXM4-80GB", "bfloat16", 312e12),
+    ("NVIDIA GB200", "bfloat16", 2500e12), ("Some Future GPU", "bfloat16", None),
 ])  # fmt: skip
 def test_the_mfu_peak_is_the_named_gpus_for_the_dtype(name, dtype, peak):
     """Names match whole ("L40" was read as "L4", the NVL parts as the SXM ones; B200, H800, H20 were

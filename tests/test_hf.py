@@ -189,3 +189,13 @@ def test_sliding_window_exports_as_mistral(tmp_path):
     assert type(theirs).__name__ == "MistralForCausalLM" and theirs.config.sliding_window == WINDOW
     idx = torch.randint(0, VOCAB, (2, 48), generator=torch.Generator().manual_seed(1))
     assert max_logit_diff(ours, theirs, idx) <= 3e-6
+
+
+def test_an_arcee_config_without_hidden_act_reads_as_relu2():
+    """transformers' ArceeConfig defaults hidden_act to relu2: a config.json that omits it is still Arcee."""
+    from hf import arcee_config
+
+    hf = {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 64,
+          "max_position_embeddings": 32, "vocab_size": 61, "model_type": "arcee"}
+    config = arcee_config(hf, "dir")
+    assert config.mlp == "relu2" and config.mlp_hidden == 64

@@ -180,5 +180,7 @@ def test_a_long_or_past_the_context_run_says_so_before_it_starts(trained_run):
     c = SimpleNamespace(max_new_tokens=100_000_000, stream=False, num_samples=3)
     notes = sample.length_notes(c, 1, GPTConfig(block_size=32, vocab_size=61, n_layer=1, n_head=2, n_embd=16))
     assert len(notes) == 2 and "100,000,000 new tokens per sample print only when all 3 are done" in notes[1]
-    assert sample.length_notes(SimpleNamespace(max_new_tokens=20, stream=False, num_samples=1), 1,
-                               GPTConfig(block_size=32, vocab_size=61, n_layer=1, n_head=2, n_embd=16)) == []
+    config = GPTConfig(block_size=32, vocab_size=61, n_layer=1, n_head=2, n_embd=16)
+    fits = sample.length_notes(SimpleNamespace(max_new_tokens=32, stream=False, num_samples=1), 1, config)
+    assert fits == []  # the 32nd new token is drawn from 32 tokens: still inside the context
+    assert len(sample.length_notes(SimpleNamespace(max_new_tokens=33, stream=False, num_samples=1), 1, config)) == 1

@@ -519,8 +519,10 @@ def test_a_resumed_run_keeps_the_precision_it_started_with(tmp_path, char_datase
         resumed = run_main("train.py", *run, "--init_from=resume", "--max_iters=10")
         assert resumed.returncode == 0, resumed.stderr
         assert "precision: float32 (kept from the checkpoint's start), Muon's Newton-Schulz in float32" in resumed.stdout
+        again = run_main("train.py", *run, "--init_from=auto", "--dtype=auto", "--max_iters=12")  # a restart's own line
+        assert "precision: float32 (kept from the checkpoint's start)" in again.stdout, again.stderr
         changed = run_main("train.py", *run, "--init_from=resume", "--max_iters=15", "--dtype=bfloat16")
-        assert "precision: bfloat16 (as set), Muon's Newton-Schulz in float32" in changed.stdout, changed.stderr
+        assert "precision: bfloat16 (as set), Muon's Newton-Schulz in bfloat16" in changed.stdout, changed.stderr  # chosen anew
     finally:
         device.precision.cache_clear()
 
