@@ -252,16 +252,23 @@ def lm_loss(logits, targets, z_loss=0.0, label_smoothing=0.0):
     log Z near 0). cross_entropy is always the plain one: what evaluation and bits per byte report."""
     logits = logits.view(-1, logits.size(-1)).float()
     targets = targets.reshape(-1)
-    ce = F.cross_entropy(logits, targets, ignore_index=-1)
+    if not label_smoothing and not z_loss:
+        ce = F.cross_entropy(logits, targets, ignore_index=-1)
+        return ce, ce
+    # one log Z per position for all three terms (two F.cross_entropy calls would log-softmax the whole
+    # vocabulary twice); masks, not logits[keep]: no host sync, no copy of the logits
+    keep = (targets != -1).to(logits.dtype)
+    n = keep.sum()
+    log_z = torch.logsumexp(logits, dim=-1)
+    nll = log_z - logits.gather(1, targets.clamp_min(0)[:, None])[:, 0]  # -log p(target)
+    ce = (nll * keep).sum() / n
     loss = ce
-    if label_smoothing:
-        loss = F.cross_entropy(logits, targets, ignore_index=-1, label_smoothing=label_smoothing)
+    if label_smoothing:  # PyTorch's: (1 - e) * nll + e * mean over the vocabulary of -log p
+        loss = (((1 - label_smoothing) * nll + label_smoothing * (log_z - logits.mean(dim=-1))) * keep).sum() / n
         ce = ce.detach()  # reported, not trained on
     if z_loss == 0:
         return loss, ce
-    keep = (targets != -1).to(logits.dtype)  # a mask, not logits[keep]: no host sync, no copy of the logits
-    log_z = torch.logsumexp(logits, dim=-1)
-    return loss + z_loss * (log_z.square() * keep).sum() / keep.sum(), ce
+    return loss + z_loss * (log_z.square() * keep).sum() / n, ce
 
 
 class GPT(nn.Module):
