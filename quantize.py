@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from configurator import ConfigError
+from device import precision
 
 
 def onednn_linear(row, weight, bias):
@@ -173,6 +174,13 @@ def inference_weights(name, device_type):
     if device_type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False):
         return "bfloat16"
     return "float32"
+
+
+def precision_line(weights_dtype, device):
+    """sample.py's and serve.py's first stderr line: the weight format that runs and why the device's
+    compute is what it is."""
+    device_type = torch.device(device).type
+    return f"precision: {inference_weights(weights_dtype, device_type)} weights | {precision(device_type).why}"
 
 
 def for_inference(model, weights_dtype):

@@ -21,9 +21,9 @@ import speculative
 from checkpoint import ContextKeys, load_for
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import EOT, DataError, continuation
-from device import DEVICES, pick_device, precision
+from device import DEVICES, pick_device
 from generate import Sampling, check_max_new_tokens
-from quantize import WEIGHTS_DTYPES, for_inference, inference_weights
+from quantize import WEIGHTS_DTYPES, for_inference, precision_line
 
 
 @dataclass
@@ -119,8 +119,7 @@ def decode(tokenizer, prompt_ids, ids, stop):
 def log_precision(c, device, ids, config):
     """One line on stderr, once the input has passed its checks (bad input gets its error line alone), and
     the notes on the run's length (length_notes)."""
-    weights = inference_weights(c.weights_dtype, torch.device(device).type)
-    print(f"precision: {weights} weights | {precision(torch.device(device).type).why}", file=sys.stderr)
+    print(precision_line(c.weights_dtype, device), file=sys.stderr)
     for note in length_notes(c, len(ids), config):
         print(note, file=sys.stderr, flush=True)
 

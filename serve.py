@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from checkpoint import ContextKeys, load_for
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import DataError, continuation
-from device import DEVICES, pick_device, precision
-from generate import Sampling, sample_next
-from quantize import WEIGHTS_DTYPES, for_inference, inference_weights
+from device import DEVICES, pick_device
+from generate import Sampling, next_logits, sample_next
+from quantize import WEIGHTS_DTYPES, for_inference, precision_line
 
 MAX_BODY_BYTES = 1 << 20  # a request larger than 1 MB is refused (413) before it is parsed
 MAX_LOGPROBS = 20
@@ -197,16 +197,9 @@ class Engine:
         beyond = [limit is not None and len(job.prompt) + len(job.tokens) > limit for job in rows]
         cached = [job for job, past in zip(rows, beyond) if not past]
         try:
-            logits = iter(self.model.decode_rows(torch.tensor([[job.tokens[-1]] for job in cached], device=self.device),
-                                                 [job.cache for job in cached]) if cached else [])
-            rows_logits = []
-            for job, past in zip(rows, beyond):
-                if not past:
-                    rows_logits.append(next(logits))
-                    continue
-                job.cache = None  # stale from here on
-                window = torch.tensor([(job.prompt + job.tokens)[-limit:]], device=self.device)
-                rows_logits.append(self.model.forward_cached(window)[0, -1])
+            decoded = iter(self.model.decode_rows(torch.tensor([[job.tokens[-1]] for job in cached], device=self.device),
+                                                  [job.cache for job in cached]) if cached else ())
+            rows_logits = [self.slide(job) if past else next(decoded) for job, past in zip(rows, beyond)]
         except Exception as e:  # noqa: BLE001: (out of memory, say) these requests fail, the server goes on
             for job in rows:
                 job.finish_reason = "error"
@@ -215,6 +208,12 @@ class Engine:
         self.steps, self.widest = self.steps + 1, max(self.widest, len(rows))
         for job, row in zip(rows, rows_logits):
             self.guarded(job, lambda job: job.take(row[None]))
+
+    def slide(self, job):
+        """The next logits of a row past the context: generate.next_logits's window, run afresh."""
+        job.cache = None  # stale from here on
+        seq = torch.tensor([job.prompt + job.tokens], device=self.device)
+        return next_logits(self.model, seq, seq.size(1))[0]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -570,8 +569,7 @@ def serve(c):
     model = checked(for_inference, model.to(device=device), c.weights_dtype)
     name = c.model_name or (c.out_dir if c.init_from == "resume" else c.init_from).rstrip("/").split("/")[-1]
     app = make_app(model, tokenizer, c, name)
-    weights = inference_weights(c.weights_dtype, torch.device(device).type)
-    print(f"precision: {weights} weights | {precision(torch.device(device).type).why}", file=sys.stderr)
+    print(precision_line(c.weights_dtype, device), file=sys.stderr)
     print(f"serving {name} on http://{c.host}:{c.port} (max_batch={c.max_batch}, max_queue={c.max_queue})",
           file=sys.stderr)
     uvicorn.run(app, host=c.host, port=c.port, log_level="warning")
