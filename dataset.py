@@ -248,20 +248,39 @@ def tokenizers_package(what):
 class HFTokenizer:
     """A Hugging Face tokenizer.json (Llama-architecture models), through the `tokenizers` package."""
 
+    char_unk = None  # a character model's export: the id other characters read as (dataset.UNK), if it has one
+
     def __init__(self, path, eot_token=None):
         self.tok = tokenizers_package(path).Tokenizer.from_file(path)
         self.vocab_size = self.tok.get_vocab_size()
         self.eot_token = eot_token
+        self.char_unk = self.tok.token_to_id(UNK) if self.chars() is not None else None
 
     def encode(self, text):
         try:
-            return self.tok.encode(text, add_special_tokens=False).ids
+            ids = self.tok.encode(text, add_special_tokens=False).ids
         except Exception as e:  # a word-level vocabulary without an unknown token (a character model's export)
-            unknown = sorted({ch for ch in text if self.tok.token_to_id(ch) is None})
-            if "Missing [UNK] token" not in str(e) or not unknown:
+            if "Missing [UNK] token" not in str(e) or not self.unknown_chars(text):
                 raise
-            raise DataError(f"characters not in the vocabulary: {''.join(unknown)!r}; a character-level model "
-                            f"knows only the {self.vocab_size} characters of its training text") from None
+            ids = None
+        if ids is None or (self.char_unk is not None and self.char_unk in ids):  # ours stay strict, as the run's
+            known = len(self.chars() or "") or self.vocab_size
+            raise DataError(f"characters not in the vocabulary: {''.join(self.unknown_chars(text))!r}; a character-level "
+                            f"model knows only the {known} characters of its training text")
+        return ids
+
+    def chars(self):
+        """A character vocabulary in id order (one of ours exported, its [UNK] left out), else None."""
+        if type(self.tok.model).__name__ != "WordLevel":
+            return None
+        vocab = self.tok.get_vocab(with_added_tokens=True)
+        chars = sorted(vocab, key=vocab.get)
+        if chars and chars[-1] == UNK:  # what our export adds for the characters outside the vocabulary
+            chars.pop()
+        return "".join(chars) if all(len(c) == 1 for c in chars) else None
+
+    def unknown_chars(self, text):
+        return sorted({ch for ch in text if self.tok.token_to_id(ch) is None})
 
     def decode(self, ids):
         return self.tok.decode(list(ids))
@@ -276,7 +295,8 @@ class HFTokenizer:
         for token, i in self.tok.get_vocab(with_added_tokens=True).items():
             if token not in special and i < self.vocab_size:
                 sizes[i] = len(token) if byte_level else len(self.tok.decode([i]).encode("utf-8"))
-        for probe in (*PROBES, self.decode(list(range(min(256, self.vocab_size))))):  # the last: its own tokens
+        own = [i for i in range(min(256, self.vocab_size)) if i != self.char_unk]
+        for probe in (*PROBES, self.decode(own)):  # the last: its own tokens
             try:
                 ids = self.encode(probe)
             except DataError:  # a character vocabulary without some of the probe's characters
@@ -291,10 +311,9 @@ class HFTokenizer:
         """Our tokenizer description when this tokenizer.json is one of ours exported (a character
         vocabulary in id order, or GPT-2's BPE), so a dataset prepared with ours can be scored; else a
         description that matches no dataset of ours."""
+        if self.chars() is not None:
+            return {"kind": "char", "chars": self.chars()}
         vocab = self.tok.get_vocab(with_added_tokens=True)
-        chars = sorted(vocab, key=vocab.get)
-        if type(self.tok.model).__name__ == "WordLevel" and all(len(c) == 1 for c in chars):
-            return {"kind": "char", "chars": "".join(chars)}
         if type(self.tok.model).__name__ == "BPE" and vocab.get(EOT) == 0:  # an export of our own BPE
             return BPETokenizer(self.tok.to_str()).meta()
         if self.vocab_size == 50257 and vocab.get(EOT) == 50256:
@@ -308,6 +327,7 @@ class HFTokenizer:
 
 
 EOT = "<|endoftext|>"
+UNK = "[UNK]"  # a character model's export reads characters outside its vocabulary as this (hf.save_tokenizer)
 
 
 class BPETokenizer(HFTokenizer):

@@ -3,16 +3,14 @@ Exports a train.py checkpoint as a Hugging Face model directory that transformer
 config.json + model.safetensors (AutoModelForCausalLM) and the tokenizer (AutoTokenizer; sample.py
 --init_from=DIR reads it too).
 
-Only architectures transformers has can be exported: GPT-2-shaped configs (pos_emb=learned,
-norm=layernorm, mlp=gelu, no QK-norm or GQA) as GPT2LMHeadModel, Llama-shaped ones (pos_emb=rope,
-norm=rmsnorm, mlp=swiglu, bias=False) as LlamaForCausalLM. The Quick start's model (mlp=relu2) is neither:
-train an exportable one, for example
-
-  python train.py config/train_shakespeare_char_cpu.py --mlp=swiglu --out_dir=out-llama-char
-  python export.py --out_dir=out-llama-char --hf_dir=hf-llama-char
+Only architectures transformers has can be exported (docs/guide.md: Hugging Face weights): GPT-2-shaped
+configs as GPT2LMHeadModel, Llama-shaped ones (pos_emb=rope, norm=rmsnorm, mlp=swiglu, bias=False) as
+LlamaForCausalLM, and their Mistral (sliding windows), Qwen3 (QK-norm) and Arcee (mlp=relu2, the Quick
+start's) variants. Anything else is refused in one line that names the keys to change.
 
 GPT-2 BPE models get tokenizer.json, vocab.json and merges.txt that encode exactly as tiktoken's gpt2;
-character models a tokenizer.json over their characters.
+character models a tokenizer.json over their characters, with [UNK] for any other when the model has a
+padding row (--vocab_size above the characters).
 """
 
 from dataclasses import dataclass

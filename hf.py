@@ -14,7 +14,7 @@ import torch
 
 import attention
 from configurator import UserError
-from dataset import EOT, DataError, HFTokenizer, TiktokenTokenizer, describe_meta
+from dataset import EOT, UNK, DataError, HFTokenizer, TiktokenTokenizer, describe_meta
 from model import GPTConfig
 
 
@@ -437,6 +437,8 @@ def save_tokenizer(meta, directory, max_length):
         return "no tokenizer written: it needs the tokenizers package (pip install tokenizers)"
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_length,
               "clean_up_tokenization_spaces": False}
+    with open(os.path.join(directory, "config.json")) as f:  # its end-of-text ids are this tokenizer's
+        model_config = json.load(f)  # (transformers' defaults: GPT-2's 50256, Llama's 1 and 2)
     eot = 50256
     if meta == {"kind": "tiktoken", "encoding": "gpt2"}:
         encoding = TiktokenTokenizer("gpt2").enc
@@ -462,16 +464,21 @@ def save_tokenizer(meta, directory, max_length):
         what = f"the BPE of {meta['vocab_size']} tokens learned for its dataset (tokenizer.json)"
     elif meta.get("kind") == "char":
         eot = None  # no end-of-text token: config.json's bos/eos (GPT-2's 50256 by default) must not name one
-        # no unknown token either: the model has no embedding for one. Our loaders say which characters
-        # are unknown (dataset.HFTokenizer); transformers' tokenizer raises "Missing [UNK] token"
-        tokenizer = Tokenizer(models.WordLevel(vocab={c: i for i, c in enumerate(meta["chars"])}, unk_token=None))
+        chars, vocab_size = meta["chars"], model_config["vocab_size"]
+        vocab = {c: i for i, c in enumerate(chars)}
+        what = f"a {len(chars)}-character vocabulary (tokenizer.json)"
+        if vocab_size > len(chars):  # a padded row, never an input in training: other characters read as it
+            vocab[UNK] = len(chars)
+            config.update(unk_token=UNK)
+            what += f"; any other character reads as {UNK} (id {len(chars)}, a padding row of the model)"
+        else:  # no row to spare, and an added one would take probability from the real characters
+            what += (f"; transformers' tokenizer raises 'Missing [UNK] token' on any other character (train with "
+                     f"--vocab_size={len(chars) + 1} or more and the export maps them to {UNK})")
+        tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK if UNK in vocab else None))
         tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one char each
         tokenizer.decoder = decoders.Fuse()  # and back without spaces between them
-        what = f"a {len(meta['chars'])}-character vocabulary (tokenizer.json)"
     else:
         return f"no tokenizer written: {describe_meta(meta)} has no Hugging Face equivalent here"
-    with open(os.path.join(directory, "config.json")) as f:  # the ids of this tokenizer's end-of-text token
-        model_config = json.load(f)  # (transformers' defaults: GPT-2's 50256, Llama's 1 and 2)
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(model_config | {"bos_token_id": eot, "eos_token_id": eot}, f, indent=2)
     tokenizer.save(os.path.join(directory, "tokenizer.json"))

@@ -78,6 +78,7 @@ def test_export_of_a_character_model_has_a_tokenizer_transformers_loads(tmp_path
     hf_dir = tmp_path / "hf"
     exported = run_main("export.py", f"--out_dir={trained_run}", f"--hf_dir={hf_dir}")
     assert exported.returncode == 0 and "character vocabulary" in exported.stdout, exported.stderr
+    assert "raises 'Missing [UNK] token' on any other character (train with --vocab_size=" in exported.stdout
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     from checkpoint import load_model
     from dataset import tokenizer_from_meta
@@ -99,6 +100,33 @@ def test_export_of_a_character_model_has_a_tokenizer_transformers_loads(tmp_path
             f"{ours.vocab_size} characters of its training text"], refused.stderr
     # bits per byte of the export on the run's own dataset: the checkpoint's figure (it was refused)
     assert_export_scores_as_run(tmp_path, hf_dir, trained_run, f"--dataset={char_dataset}")
+
+
+def test_export_of_a_padded_character_model_reads_other_characters_as_unk(tmp_path, char_dataset):
+    """With a padding row (vocab_size above the characters), transformers' tokenizer reads a character
+    outside the vocabulary as [UNK] (it raised 'Missing [UNK] token'); our own loaders still refuse it."""
+    from checkpoint import load_model
+    from dataset import read_meta
+
+    chars = read_meta(char_dataset)["tokenizer"]["chars"]
+    run, hf_dir = tmp_path / "run", tmp_path / "hf"
+    trained = run_main("train.py", *TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={run}", "--max_iters=2",
+                       f"--vocab_size={len(chars) + 3}")
+    assert trained.returncode == 0, trained.stderr
+    exported = run_main("export.py", f"--out_dir={run}", f"--hf_dir={hf_dir}")
+    assert exported.returncode == 0 and f"reads as [UNK] (id {len(chars)}" in exported.stdout, exported.stdout
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    ids = tokenizer("The \u00bf king", add_special_tokens=False).input_ids
+    assert ids == [chars.index(c) for c in "The "] + [len(chars)] + [chars.index(c) for c in " king"]
+    assert tokenizer.unk_token == "[UNK]" and tokenizer.decode(ids[:4]) == "The "
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    ours = load_model(str(run))[0].eval()
+    assert max_logit_diff(ours, model, torch.tensor([ids])) < 1e-4  # the run's model, [UNK]'s row included
+    refused = run_main("sample.py", f"--init_from={hf_dir}", "--start=The \u00bf", "--max_new_tokens=5", "--device=cpu")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"error: characters not in the vocabulary: '\u00bf'; a character-level model knows only the {len(chars)} "
+        "characters of its training text"], refused.stderr
+    assert_export_scores_as_run(tmp_path, hf_dir, run, f"--dataset={char_dataset}")
 
 
 def test_own_bpe_end_to_end(tmp_path, bpe_run):
