@@ -10,6 +10,8 @@ code asks a kind only through this protocol (defaults in Attention), never by it
                             made once per forward and shared by them: None (every key up to the query's own,
                             the queries being the last T keys), a boolean (T, keys) tensor, or an additive
                             (n_head, T, keys) bias holding -inf where a key is hidden (ALiBi, T5)
+  mask_mod(config)          the same mask as FlexAttention's mask_mod(b, h, q_idx, kv_idx) for queries and
+                            keys from position 0, or None (no FlexAttention form): layer_mask uses it on GPUs
   keys_per_query(config, seq_len)   how many keys a query meets: FLOPs and MFU (GPT.flops_per_token)
   softmax                   True when it forms softmax weights (interpret.py records them through attend)
   exports_as                what transformers calls this attention, when it is exactly that: "full" (Llama,
@@ -24,9 +26,11 @@ code asks a kind only through this protocol (defaults in Attention), never by it
 
 Attention.forward runs the batch at one position; forward_rows runs decode rows each at its own position
 (GPT.decode_rows), written once for every kind. Caches update their own state. The softmax kernels
-(attn_impl: KERNELS) are here too: SDPA, and the explicit masked softmax kept as its reference.
+(attn_impl: KERNELS) are here too: SDPA, and the explicit masked softmax kept as its reference, and
+FlexAttention for windows and position biases on GPUs (layer_mask).
 """
 
+import functools
 import math
 from dataclasses import replace
 
@@ -60,12 +64,15 @@ def attention_scores(q, k, mask):
 
 def attention_explicit(q, k, v, mask, dropout_p=0.0):
     """The textbook path, kept as the reference that SDPA is tested against."""
+    mask = mask.dense() if isinstance(mask, FlexMask) else mask
     scores = attention_scores(q, k, mask)
     weights = F.dropout(F.softmax(scores.float(), dim=-1).to(q.dtype), p=dropout_p)
     return weights @ v.repeat_interleave(q.size(1) // v.size(1), dim=1)
 
 
 def attention_sdpa(q, k, v, mask, dropout_p=0.0):
+    if isinstance(mask, FlexMask):
+        return attention_flex(q, k, v, mask)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(2) > 1:
         # torch 2.13's CPU flash-attention kernel is 2-4x slower in bf16 than in fp32 (backward above
         # all; measured in docs/research_log.md), so on CPU training and prefill attention run in fp32.
@@ -86,6 +93,63 @@ def attention_sdpa(q, k, v, mask, dropout_p=0.0):
 
 
 KERNELS = {"sdpa": attention_sdpa, "explicit": attention_explicit}  # GPTConfig.attn_impl
+
+
+# FlexAttention (Dong et al. 2024). SDPA's flash kernel takes no mask: a window's band or ALiBi's and T5's
+# bias sends it to the mem-efficient or math kernel over the whole T x T square (T5 also makes its bias's
+# gradient there). FlexAttention skips the tiles no query sees and computes the bias inside the kernel.
+# It is fast only compiled, and each shape compiles apart, so it runs at the shape training and its
+# evaluations use (T = block_size from position 0) and where attention has no dropout; prefills of other
+# lengths and decoding keep SDPA with the dense mask.
+FLEX_DEVICES = ("cuda",)  # torch 2.13 has no FlexAttention backward on CPU (tests add "cpu" for the forward)
+BLOCK_MASKS = {}  # (letter, window, T, device) -> its BlockMask, made once
+
+
+class FlexMask:
+    """A layer mask in FlexAttention's form: a block mask and the position scheme's score_mod (or None);
+    dense() makes the tensor mask, for the kernels that take one."""
+
+    def __init__(self, block_mask, score_mod, dense):
+        self.block_mask, self.score_mod, self.dense = block_mask, score_mod, dense
+
+
+@functools.cache
+def flex_kernel():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attention_flex(q, k, v, mask):
+    if torch.compiler.is_compiling():  # inside a compiled model: its graph fuses the kernel
+        from torch.nn.attention.flex_attention import flex_attention as kernel
+    else:
+        kernel = flex_kernel()
+    return kernel(q, k, v, score_mod=mask.score_mod, block_mask=mask.block_mask, enable_gqa=q.size(1) != k.size(1))
+
+
+def layer_mask(kind, config, positions, start, T, device, dropout):
+    """kind.mask, or its FlexAttention form where that pays: on FLEX_DEVICES, the SDPA kernel, T =
+    block_size queries from position 0, no attention dropout, and a mask SDPA's flash kernel cannot take
+    (a window narrower than T, or a bias)."""
+    mask_mod = kind.mask_mod(config) if kind.softmax else None
+    if (mask_mod is None or torch.device(device).type not in FLEX_DEVICES or config.attn_impl != "sdpa"
+            or start != 0 or T != config.block_size or dropout):
+        return kind.mask(config, positions, start, T, device)
+    score_mod = positions.score_mod(T)
+    if score_mod is None and kind.keys_per_query(config, T) >= T:  # causal alone: SDPA's flash kernel
+        return kind.mask(config, positions, start, T, device)
+    return flex_mask(kind, config, positions, T, device, mask_mod, score_mod)
+
+
+@torch.compiler.disable  # outside a compiled model's graph: once per forward, each block mask once per shape
+def flex_mask(kind, config, positions, T, device, mask_mod, score_mod):
+    key = (kind.letter, config.attn_window, T, str(device))
+    if key not in BLOCK_MASKS:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        BLOCK_MASKS[key] = create_block_mask(mask_mod, None, None, T, T, device=device)
+    return FlexMask(BLOCK_MASKS[key], score_mod, lambda: kind.mask(config, positions, 0, T, device))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -131,6 +195,10 @@ class Attention(nn.Module):
     def keys_per_query(cls, config, seq_len):
         return seq_len
 
+    @classmethod
+    def mask_mod(cls, config):
+        return None
+
     def new_cache(self, max_len):
         return self.Cache()
 
@@ -167,6 +235,10 @@ class Attention(nn.Module):
     def out(self, y):
         B, _, T, _ = y.shape
         return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
 
 
 def row_of(gates, i):
@@ -223,6 +295,10 @@ class FullAttention(Attention):
 
     def new_cache(self, max_len):
         return self.Cache(max_len)
+
+    @classmethod
+    def mask_mod(cls, config):
+        return causal
 
     def mix(self, q, k, v, gates, start, mask, cache, positions):
         q, k = positions.rotate(q, k, start)
@@ -295,6 +371,15 @@ class SlidingWindowAttention(FullAttention):
     @classmethod
     def keys_per_query(cls, config, seq_len):
         return min(seq_len, config.attn_window)
+
+    @classmethod
+    def mask_mod(cls, config):
+        window = config.attn_window
+
+        def sliding(b, h, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx < window)
+
+        return sliding
 
     def new_cache(self, max_len):
         return self.Cache(self.window)

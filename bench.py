@@ -179,7 +179,7 @@ class OurTrainStep:
     def __init__(self, model, c, device, dtype):
         self.model, self.device = model, device
         device_type = torch.device(device).type
-        self.optimizers = build_optimizers(model, SimpleNamespace(**HYPER, optimizer=c.optimizer), device_type)
+        self.optimizers = build_optimizers(model, SimpleNamespace(**HYPER, optimizer=c.optimizer, compile=c.compile), device_type)
         self.autocast = autocast(device_type, dtype)
         self.forward = torch.compile(model) if c.compile else model
         self.z_loss = model.config.z_loss

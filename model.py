@@ -359,7 +359,8 @@ class GPT(nn.Module):
     def masks(self, start, T, device):
         """Each kind's attention mask (attention.py) for T queries from position start, made once and
         shared by the kind's layers."""
-        return {letter: kind.mask(self.config, self.positions, start, T, device)
+        dropout = self.training and self.config.dropout > 0
+        return {letter: attention.layer_mask(kind, self.config, self.positions, start, T, device, dropout)
                 for letter, kind in attention.kinds_of(self.config).items()}
 
     def new_cache(self, max_len=None):

@@ -1,7 +1,7 @@
 """
 The optimizers, one builder each in OPTIMIZERS (adding one: a function and a line there), the learning
 rate schedule and gradient clipping. Muon runs its Newton-Schulz iterations in a dtype that is fast on
-the device (device.py).
+the device (device.py), compiled with the model, and shared out across DDP's ranks.
 """
 
 import math
@@ -41,11 +41,19 @@ def newton_schulz(g, coefficients, steps, eps, dtype):
 class Muon(torch.optim.Muon):
     """torch.optim.Muon's update (Nesterov momentum, orthogonalised, decoupled weight decay, its lr
     scaling) with the orthogonalisation in ns_dtype. Same hyperparameters and state, so checkpoints
-    move between the two; ns_dtype belongs to the machine, not to the run, and is not saved."""
+    move between the two; ns_dtype belongs to the machine, not to the run, and is not saved.
 
-    def __init__(self, params, ns_dtype=torch.bfloat16, **kwargs):
+    compiled: Newton-Schulz through torch.compile (one fused graph per matrix shape instead of ~20 kernel
+    launches per matrix; what nanochat and modded-nanogpt do on GPUs). shard=(rank, world size) under DDP:
+    every rank has the same averaged gradients, so each keeps the momentum of every matrix (elementwise,
+    cheap) but orthogonalises only its share, chosen by size, and broadcasts the updated matrices; the
+    result is what one process computes, without every rank repeating the same Newton-Schulz."""
+
+    def __init__(self, params, ns_dtype=torch.bfloat16, compiled=False, shard=None, **kwargs):
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype
+        self.orthogonalise = torch.compile(newton_schulz, dynamic=False, fullgraph=True) if compiled else newton_schulz
+        self.shard = shard
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -53,21 +61,36 @@ class Muon(torch.optim.Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
+        todo = [(group, p) for group in self.param_groups for p in group["params"] if p.grad is not None]
+        rank, owner = (self.shard[0], owners([p.numel() for _, p in todo], self.shard[1])) if self.shard else (0, None)
+        sent = []
+        for i, (group, p) in enumerate(todo):
             lr, momentum = group["lr"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - momentum)
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - momentum)
+            if owner is None or owner[i] == rank:
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = newton_schulz(update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
+                update = self.orthogonalise(update, group["ns_coefficients"], group["ns_steps"], group["eps"], self.ns_dtype)
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(update, alpha=-lr * lr_scale(group["adjust_lr_fn"], p.shape))
+            if owner is not None:  # in the same order on every rank; the owner's copy overwrites the others'
+                sent.append(torch.distributed.broadcast(p, src=owner[i], async_op=True))
+        for work in sent:
+            work.wait()
         return loss
+
+
+def owners(sizes, world_size):
+    """A rank for each of the matrices of these sizes: the largest first, each to the least loaded rank
+    (the same answer on every rank)."""
+    load, owner = [0] * world_size, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        owner[i] = min(range(world_size), key=load.__getitem__)
+        load[owner[i]] += sizes[i]
+    return owner
 
 
 def lr_scale(adjust_lr_fn, shape):
@@ -82,25 +105,26 @@ def lr_scale(adjust_lr_fn, shape):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Builders: (model, c, device_type, ns_dtype) -> a list of optimizers. c has the training config's attributes
-# learning_rate, weight_decay, beta1, beta2, muon_momentum; ns_dtype is Muon's Newton-Schulz dtype (None:
-# what precision() finds fast here; a resumed run passes the one it started with).
+# Builders: (model, c, device_type, ns_dtype, shard) -> a list of optimizers. c has the training config's
+# attributes learning_rate, weight_decay, beta1, beta2, muon_momentum, compile; ns_dtype is Muon's
+# Newton-Schulz dtype (None: what precision() finds fast here; a resumed run passes the one it started
+# with); shard is (rank, world size) under DDP, else None.
 
 
-def adamw_everywhere(model, c, device_type, ns_dtype=None):
+def adamw_everywhere(model, c, device_type, ns_dtype=None, shard=None):
     """adamw() over every trainable parameter."""
     params = [p for p in model.parameters() if p.requires_grad]
     return [adamw(params, c.weight_decay, c.learning_rate, (c.beta1, c.beta2), device_type)]
 
 
-def muon_for_matrices(model, c, device_type, ns_dtype=None):
+def muon_for_matrices(model, c, device_type, ns_dtype=None, shard=None):
     """Muon (Jordan et al. 2024: momentum orthogonalised by Newton-Schulz) for the blocks' matrices, its
     rate scaled to match AdamW's update size (Liu et al. 2025) so one learning_rate serves both; AdamW for
     the embeddings, the head, norm gains and biases."""
     hidden = {id(p) for p in model.blocks.parameters() if p.dim() == 2}
     muon = Muon([p for p in model.blocks.parameters() if id(p) in hidden], ns_dtype=ns_dtype or precision(device_type).newton_schulz,
-                lr=c.learning_rate, weight_decay=c.weight_decay, momentum=c.muon_momentum,
-                adjust_lr_fn="match_rms_adamw")
+                compiled=c.compile, shard=shard, lr=c.learning_rate, weight_decay=c.weight_decay,
+                momentum=c.muon_momentum, adjust_lr_fn="match_rms_adamw")
     rest = [p for p in model.parameters() if id(p) not in hidden]
     return [muon, adamw(rest, c.weight_decay, c.learning_rate, (c.beta1, c.beta2), device_type)]
 
@@ -108,8 +132,8 @@ def muon_for_matrices(model, c, device_type, ns_dtype=None):
 OPTIMIZERS = {"adamw": adamw_everywhere, "muon": muon_for_matrices}
 
 
-def build_optimizers(model, c, device_type, ns_dtype=None):
-    return OPTIMIZERS[c.optimizer](model, c, device_type, ns_dtype)
+def build_optimizers(model, c, device_type, ns_dtype=None, shard=None):
+    return OPTIMIZERS[c.optimizer](model, c, device_type, ns_dtype, shard)
 
 
 def get_lr(it, c):

@@ -6,6 +6,8 @@ scheme needs a branch anywhere else:
   rotate(q, k, start):          queries and keys -> rotated (RoPE)
   attn_bias(start, T, k_start, k_len):  an additive (n_head, T, k_len) bias for queries at start.. and keys
                                  at k_start.., with -inf on keys after a query (the causal mask), or None
+  score_mod(T):                 the same bias as FlexAttention's score_mod(score, b, h, q_idx, kv_idx), for
+                                 T queries and keys from position 0 (the mask hides later keys), or None
 Absolute: learned (GPT-2), sinusoidal (Vaswani et al.). Relative: rope (Su et al., with linear or YaRN
 scaling for contexts past the trained one), alibi (Press et al.), t5 (Raffel et al.), none (NoPE).
 """
@@ -29,6 +31,9 @@ class NoPositions(nn.Module):
         return q, k
 
     def attn_bias(self, start, T, k_start, k_len):
+        return None
+
+    def score_mod(self, T):
         return None
 
 
@@ -133,6 +138,14 @@ class ALiBiPositions(NoPositions):
         bias = -self.slopes.float()[:, None, None] * distance  # in fp32 even for bf16 weights: slopes are powers of 2
         return bias.masked_fill(distance < 0, float("-inf"))
 
+    def score_mod(self, T):
+        slopes = self.slopes
+
+        def alibi(score, b, h, q_idx, kv_idx):
+            return score - slopes[h] * (q_idx - kv_idx)
+
+        return alibi
+
 
 def alibi_slopes(n_head):
     """The paper's slopes: a geometric sequence from 2^(-8/n); for a head count that is not a power of
@@ -166,6 +179,16 @@ class T5Positions(NoPositions):
                     - torch.arange(k_start, k_start + k_len, device=device)[None, :])  # fmt: skip
         bias = self.bias(t5_bucket(distance.clamp_min(0), self.n_buckets, self.max_distance)).permute(2, 0, 1)
         return bias.float().masked_fill(distance < 0, float("-inf"))
+
+    def score_mod(self, T):
+        table = self.bias.weight  # (buckets, n_head), read inside the kernel: its gradient flows from there
+        # the bucket of every distance a block can hold (later keys, hidden by the mask, read bucket 0)
+        buckets = t5_bucket(torch.arange(T, device=table.device), self.n_buckets, self.max_distance)
+
+        def t5(score, b, h, q_idx, kv_idx):
+            return score + table[buckets[(q_idx - kv_idx).clamp(min=0)], h].float()
+
+        return t5
 
 
 def t5_bucket(distance, n_buckets, max_distance):

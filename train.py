@@ -63,7 +63,7 @@ class TrainConfig(ModelKeys):  # and every model key (model.ModelKeys)
     # system
     device: str = "auto"  # auto: cuda, else mps, else cpu; under torchrun each process takes cuda:LOCAL_RANK
     dtype: str = "auto"  # auto: bf16 where it runs faster than fp32 (CUDA with bf16, AMX CPUs; see device.py), fp16 on older CUDA, else float32
-    compile: bool = False  # torch.compile the model (about 30 s of compiling on a 2-core CPU)
+    compile: bool = False  # torch.compile the model and Muon's Newton-Schulz (about 30 s of compiling on a 2-core CPU)
     fsdp: bool = False  # under torchrun: shard parameters, gradients and optimizer state (FSDP2) instead of DDP
     dist_timeout: int = 600  # under torchrun: seconds a collective waits for a silent peer (a lost node resets no connection) before the job ends
     seed: int = 1337
@@ -286,20 +286,29 @@ class Run:
         # place, and the optimizer must see the sharded parameters.
         model.to(self.device)
         if c.fsdp:
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+            # weights gathered in the autocast dtype (half the bytes of fp32), gradients reduced in fp32;
+            # the residual stream between blocks stays fp32, as autocast keeps it without FSDP2
+            low = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(self.dtype)
+            policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None,
+                                          cast_forward_inputs=False)
             for block in model.blocks:
-                fully_shard(block)
-            fully_shard(model)
+                if c.compile:  # each block compiled before it is sharded, so FSDP2's hooks stay outside its graph
+                    block.compile()
+                fully_shard(block, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
         self.raw_model = model
-        self.optimizers = build_optimizers(model, c, self.device_type, self.newton_schulz)
+        shard = (world.rank, world.size) if world.enabled and not c.fsdp else None  # Muon's work shared out
+        self.optimizers = build_optimizers(model, c, self.device_type, self.newton_schulz, shard)
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
         self.autocast = autocast_for(self.device_type, self.dtype)
         self.pin = self.device_type == "cuda"
 
     def wrap(self):
         """torch.compile and DDP around the model, once its state is restored."""
-        self.model = torch.compile(self.raw_model) if self.train_config.compile else self.raw_model
+        whole = self.train_config.compile and not self.train_config.fsdp  # (FSDP2's blocks were compiled one by one)
+        self.model = torch.compile(self.raw_model) if whole else self.raw_model
         if self.world.enabled and not self.train_config.fsdp:
             from torch.nn.parallel import DistributedDataParallel
 

@@ -45,8 +45,12 @@ def test_compiled_training_resumes_and_logs_stability_and_heads(tmp_path, cuda_r
 
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_torchrun_one_gpu_with_ddp_and_fsdp_then_resume(tmp_path, char_dataset, fsdp):
+    """Compiled: DDP with Muon (its Newton-Schulz compiled and shared out), FSDP2 with each block compiled
+    before it is sharded and bf16 gathers (MixedPrecisionPolicy)."""
+    optimizer = "adamw" if fsdp else "muon"
     args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train.py", *CUDA,
-            f"--dataset={char_dataset}", f"--out_dir={tmp_path}", f"--fsdp={fsdp}"]
+            f"--dataset={char_dataset}", f"--out_dir={tmp_path}", f"--fsdp={fsdp}", "--compile=True",
+            f"--optimizer={optimizer}"]
     ok(run_script(*args, "--max_iters=6", "--eval_interval=3"))
     ok(run_script(*args, "--init_from=resume", "--max_iters=9", "--eval_interval=3"))
     assert [r["iter"] for r in read_metrics(tmp_path) if "val_loss" in r] == [0, 3, 6, 9]
@@ -158,3 +162,29 @@ def test_every_script_gets_tf32_from_pick_device():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     assert pick_device("cuda") == "cuda"
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+
+
+@pytest.mark.parametrize("case", [dict(attn_pattern="SL", attn_window=16), dict(pos_emb="alibi"),
+                                  dict(pos_emb="t5", n_kv_head=1)], ids=["window", "alibi", "t5 gqa"])
+def test_flex_attention_trains_as_sdpa_with_the_dense_mask(monkeypatch, case):
+    """On the GPU, windows and position biases at the training shape go through FlexAttention: the loss
+    and every gradient (T5's table included) as SDPA with the dense mask, in fp32."""
+    import attention
+    from conftest import build
+
+    def loss_and_grads(flex):
+        monkeypatch.setattr(attention, "FLEX_DEVICES", ("cuda",) if flex else ())
+        model = build(**case, block_size=64).cuda().train()
+        idx = torch.randint(0, 61, (4, 65), generator=torch.Generator().manual_seed(0)).cuda()
+        loss = model(idx[:, :-1], idx[:, 1:])[1]
+        loss.backward()
+        return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    calls = []
+    monkeypatch.setattr(attention, "attention_flex", lambda *a, real=attention.attention_flex: calls.append(1) or real(*a))
+    dense_loss, dense = loss_and_grads(False)
+    assert not calls
+    flex_loss, flex = loss_and_grads(True)
+    assert calls and abs(flex_loss - dense_loss) < 1e-5
+    for name, g in dense.items():
+        assert (flex[name] - g).abs().max().item() < 1e-4 * max(1.0, g.abs().max().item()), name

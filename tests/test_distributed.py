@@ -33,6 +33,19 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, char_dataset):
     assert one[0] != one[-1]  # it trained
 
 
+def test_ddp_with_muon_shared_out_over_ranks_matches_one_process(tmp_path, char_dataset):
+    """Under DDP each rank orthogonalises its share of Muon's matrices and broadcasts them (optim.Muon's
+    shard): the run trains as one process does."""
+    muon = ["--optimizer=muon", "--learning_rate=1e-2", "--gradient_accumulation_steps=4"]
+    single = run_script("train.py", *TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'single'}",
+                        "--max_iters=5", *muon)
+    assert single.returncode == 0, single.stderr[-3000:]
+    one = step_losses(tmp_path / "single")
+    ddp = torchrun(tmp_path / "ddp", char_dataset, *muon)
+    assert len(one) == len(ddp) == 5 and one[0] != one[-1]
+    assert max(abs(a - b) for a, b in zip(one, ddp)) <= 1e-5
+
+
 def test_a_config_error_under_torchrun_is_in_its_failure_summary(tmp_path, char_dataset):
     """Each worker's one-line error goes to torchrun's error file, so torchrun's closing summary shows it
     (it said "To enable traceback see: ..." there, the line itself buried in the output above)."""

@@ -110,3 +110,43 @@ def test_a_torch_muon_state_resumes_in_ours():
     resumed.load_state_dict(copy.deepcopy(opt_theirs.state_dict()))  # as from a file: no shared buffers
     step_both(fresh, theirs, resumed, opt_theirs, steps=2)
     assert all(torch.equal(a, b) for a, b in zip(fresh, theirs))
+
+
+SHARD_SHAPES = [(48, 16), (16, 48), (32, 32), (64, 16), (8, 8), (24, 40)]
+
+
+def muon_steps(shard=None, steps=3):
+    """Muon (fp32 Newton-Schulz) over SHARD_SHAPES for a few steps of seeded gradients, the same on every
+    rank (as DDP leaves them): the final weights."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHARD_SHAPES]
+    opt = Muon(params, ns_dtype=torch.float32, shard=shard, lr=0.02, weight_decay=0.1, momentum=0.9,
+               adjust_lr_fn="match_rms_adamw")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def sharded_muon_worker(rank, world_size, init_file, out):
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        torch.save(muon_steps(shard=(rank, world_size)), f"{out}/{rank}.pt")
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_muon_sharded_over_ranks_is_one_process_bit_for_bit(tmp_path):
+    """Under DDP each rank orthogonalises its share of the matrices and broadcasts them (gloo, 2 ranks):
+    every rank ends with exactly the weights one process computes."""
+    owner = optim.owners([a * b for a, b in SHARD_SHAPES], 2)
+    assert sorted(set(owner)) == [0, 1]  # both ranks have work: largest first, to the least loaded
+    assert optim.owners([10, 1, 1, 8], 2) == [0, 1, 1, 1]
+    torch.multiprocessing.spawn(sharded_muon_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2)
+    one = muon_steps()
+    for rank in range(2):
+        ranks = torch.load(tmp_path / f"{rank}.pt")
+        assert all(torch.equal(a, b) for a, b in zip(ranks, one)), rank
