@@ -20,6 +20,12 @@ code asks a kind only through this protocol (defaults in Attention), never by it
   Cache                     its cache class, which says whether it can roll back (rewinds: speculative
                             decoding) and whether its size is bounded (bounded: a model whose every layer is
                             bounded runs past block_size, with relative positions); new_cache(max_len) makes one
+  StaticCache               its cache for a compiled decode step (generate.StaticDecode), or None: tensors
+                            preallocated for a batch whose rows each have their own position; never
+                            inherited (register() sets None), as a subclass that changes mix needs its own step
+  static_cache(cache, length, max_len)   a StaticCache holding what the (dynamic) cache holds after a prefill
+  step(q, k, v, gates, pos, cache, positions)   one token per row, row b at position pos[b] (a (B,) tensor),
+                            through a StaticCache: a pure function of tensors, so it compiles with fullgraph
   gates(x)                  per-token extras from the block input (a forget gate, a delta rule's beta): None,
                             a tensor or a tuple of tensors with the batch first; they travel with q, k and v
   mix(q, k, v, gates, start, mask, cache, positions)   heads (B, H, T, D) of positions start.. -> outputs
@@ -57,6 +63,8 @@ def attention_scores(q, k, mask):
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
     if mask is None:
         mask = visible(k.size(2) - q.size(2), q.size(2), 0, k.size(2), None, q.device)
+    if isinstance(mask, FlexMask):  # (interpret.recording and the explicit kernel take the dense form)
+        mask = mask.dense()
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask, float("-inf"))
     return scores + mask.to(scores.dtype)
@@ -64,7 +72,6 @@ def attention_scores(q, k, mask):
 
 def attention_explicit(q, k, v, mask, dropout_p=0.0):
     """The textbook path, kept as the reference that SDPA is tested against."""
-    mask = mask.dense() if isinstance(mask, FlexMask) else mask
     scores = attention_scores(q, k, mask)
     weights = F.dropout(F.softmax(scores.float(), dim=-1).to(q.dtype), p=dropout_p)
     return weights @ v.repeat_interleave(q.size(1) // v.size(1), dim=1)
@@ -98,9 +105,10 @@ KERNELS = {"sdpa": attention_sdpa, "explicit": attention_explicit}  # GPTConfig.
 # FlexAttention (Dong et al. 2024). SDPA's flash kernel takes no mask: a window's band or ALiBi's and T5's
 # bias sends it to the mem-efficient or math kernel over the whole T x T square (T5 also makes its bias's
 # gradient there). FlexAttention skips the tiles no query sees and computes the bias inside the kernel.
-# It is fast only compiled, and each shape compiles apart, so it runs at the shape training and its
-# evaluations use (T = block_size from position 0) and where attention has no dropout; prefills of other
-# lengths and decoding keep SDPA with the dense mask.
+# It is fast only compiled, and each shape compiles apart, so it runs where training does: a forward with
+# gradients at T = block_size from position 0, no attention dropout, heads of 16 or more (its CUDA kernel's
+# least) and Triton installed. Evaluation, prefills and decoding keep SDPA with the dense mask, so a
+# sample or a server never waits for a compile.
 FLEX_DEVICES = ("cuda",)  # torch 2.13 has no FlexAttention backward on CPU (tests add "cpu" for the forward)
 BLOCK_MASKS = {}  # (letter, window, T, device) -> its BlockMask, made once
 
@@ -129,12 +137,13 @@ def attention_flex(q, k, v, mask):
 
 
 def layer_mask(kind, config, positions, start, T, device, dropout):
-    """kind.mask, or its FlexAttention form where that pays: on FLEX_DEVICES, the SDPA kernel, T =
-    block_size queries from position 0, no attention dropout, and a mask SDPA's flash kernel cannot take
-    (a window narrower than T, or a bias)."""
+    """kind.mask, or its FlexAttention form where that pays: on FLEX_DEVICES, the SDPA kernel, a forward
+    with gradients of T = block_size queries from position 0, no attention dropout, heads of 16 or more,
+    and a mask SDPA's flash kernel cannot take (a window narrower than T, or a bias)."""
     mask_mod = kind.mask_mod(config) if kind.softmax else None
     if (mask_mod is None or torch.device(device).type not in FLEX_DEVICES or config.attn_impl != "sdpa"
-            or start != 0 or T != config.block_size or dropout):
+            or start != 0 or T != config.block_size or dropout or not torch.is_grad_enabled()
+            or config.n_embd // config.n_head < 16):
         return kind.mask(config, positions, start, T, device)
     score_mod = positions.score_mod(T)
     if score_mod is None and kind.keys_per_query(config, T) >= T:  # causal alone: SDPA's flash kernel
@@ -142,9 +151,29 @@ def layer_mask(kind, config, positions, start, T, device, dropout):
     return flex_mask(kind, config, positions, T, device, mask_mod, score_mod)
 
 
+@functools.cache
+def flex_available(device_type):
+    """FlexAttention compiles to Triton on GPUs; CPU tests run its forward without it."""
+    if device_type == "cpu":
+        return True
+    from torch.utils._triton import has_triton
+
+    return has_triton()
+
+
+def has_score_mod(positions):
+    """Whether the scheme's score_mod is written for its own attn_bias (a subclass that changes attn_bias
+    and inherits score_mod would have flex add the wrong bias, so it keeps the dense mask)."""
+    mro = type(positions).__mro__
+    defines = lambda name: next(i for i, cls in enumerate(mro) if name in vars(cls))  # noqa: E731
+    return defines("score_mod") <= defines("attn_bias")
+
+
 @torch.compiler.disable  # outside a compiled model's graph: once per forward, each block mask once per shape
 def flex_mask(kind, config, positions, T, device, mask_mod, score_mod):
-    key = (kind.letter, config.attn_window, T, str(device))
+    if not flex_available(torch.device(device).type) or not has_score_mod(positions):
+        return kind.mask(config, positions, 0, T, device)
+    key = (kind.letter, *(getattr(config, name) for name in kind.config_keys), T, str(device))
     if key not in BLOCK_MASKS:
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -169,6 +198,7 @@ class Attention(nn.Module):
     softmax = False
     exports_as = None
     Cache = None
+    StaticCache = None
 
     def __init__(self, config):
         super().__init__()
@@ -221,6 +251,11 @@ class Attention(nn.Module):
         rows = [self.mix(q[i : i + 1], k[i : i + 1], v[i : i + 1], row_of(gates, i), start, mask, cache, positions)
                 for i, (start, mask, cache) in enumerate(zip(starts, masks, caches))]  # fmt: skip
         return self.out(torch.cat(rows))
+
+    def forward_static(self, x, positions, pos, cache):
+        """x (B, 1, C): row b one token at position pos[b], through a StaticCache (GPT.decode_static)."""
+        q, k, v = self.heads(x)
+        return self.out(self.step(q, k, v, self.gates(x), pos, cache, positions))
 
     def heads(self, x):
         """x (B, T, C) -> queries (B, n_head, T, D), keys and values (B, n_kv_head, T, D)."""
@@ -281,12 +316,27 @@ class FullKV:
         return 0 if self.k is None else 2 * self.k[:, :, :length].numel() * self.k.element_size()
 
 
+class StaticKV:
+    """A full layer's keys and values for a compiled decode step: (B, H, max_len, D) from the start, row b
+    written at its own position; key_pos (B, max_len) is each slot's position."""
+
+    def __init__(self, k, v):
+        B, _, max_len, _ = k.shape
+        self.k, self.v = k, v
+        self.key_pos = torch.arange(max_len, device=k.device).expand(B, max_len)
+
+    def write(self, pos, k, v):
+        rows = torch.arange(k.size(0), device=k.device)
+        self.k[rows, :, pos] = k[:, :, 0]
+        self.v[rows, :, pos] = v[:, :, 0]
+
+
 class FullAttention(Attention):
     """Softmax attention over every earlier key."""
 
     letter, description = "L", "full attention"
     softmax, exports_as = True, "full"
-    Cache = FullKV
+    Cache, StaticCache = FullKV, StaticKV
     window = None
 
     def __init__(self, config):
@@ -305,6 +355,20 @@ class FullAttention(Attention):
         if cache is not None:
             k, v = cache.update(start, k, v)
         return self.attend(q, k, v, mask, self.dropout if self.training else 0.0)
+
+    def static_cache(self, cache, length, max_len):
+        k = cache.k.new_zeros(*cache.k.shape[:2], max_len, cache.k.size(3))
+        v = cache.v.new_zeros(k.shape)
+        k[:, :, :length], v[:, :, :length] = cache.k[:, :, :length], cache.v[:, :, :length]
+        return self.StaticCache(k, v)
+
+    def step(self, q, k, v, gates, pos, cache, positions):
+        """Every slot of the static cache, those after a row's position (or empty) masked off."""
+        q, k = positions.rotate_at(q, k, pos)
+        cache.write(pos, k, v)
+        seen = ((cache.key_pos >= 0) & (cache.key_pos <= pos[:, None]))[:, None, None]  # (B, 1, 1, K)
+        bias = positions.bias_at(pos, cache.key_pos)
+        return self.attend(q, cache.k, cache.v, seen if bias is None else bias.masked_fill(~seen, float("-inf")), 0.0)
 
 
 class WindowKV:
@@ -336,6 +400,20 @@ class WindowKV:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
 
 
+class StaticWindowKV(StaticKV):
+    """A sliding-window layer's keys and values for a compiled decode step: a ring of `window` slots per
+    row, position p in slot p % window; key_pos is each slot's position (-1: empty)."""
+
+    def __init__(self, k, v, key_pos):
+        self.k, self.v, self.key_pos = k, v, key_pos
+
+    def write(self, pos, k, v):
+        rows, slot = torch.arange(k.size(0), device=k.device), pos % self.k.size(2)
+        self.k[rows, :, slot] = k[:, :, 0]
+        self.v[rows, :, slot] = v[:, :, 0]
+        self.key_pos[rows, slot] = pos
+
+
 class SlidingWindowAttention(FullAttention):
     """Softmax attention over the last attn_window positions (the query's own included); its cache keeps
     only those."""
@@ -343,7 +421,7 @@ class SlidingWindowAttention(FullAttention):
     letter, description = "S", "sliding window"
     config_keys = ("attn_window",)
     exports_as = "window"
-    Cache = WindowKV
+    Cache, StaticCache = WindowKV, StaticWindowKV
 
     def __init__(self, config):
         super().__init__(config)
@@ -384,6 +462,16 @@ class SlidingWindowAttention(FullAttention):
     def new_cache(self, max_len):
         return self.Cache(self.window)
 
+    def static_cache(self, cache, length, max_len):
+        """The window - 1 positions before `length` (what the next query sees besides itself), in their slots."""
+        B, H, _, D = cache.k.shape
+        k, v = cache.k.new_zeros(B, H, self.window, D), cache.v.new_zeros(B, H, self.window, D)
+        key_pos = torch.full((B, self.window), -1, dtype=torch.long, device=cache.k.device)
+        for p in range(max(cache.first, length - self.window + 1), length):
+            k[:, :, p % self.window], v[:, :, p % self.window] = cache.k[:, :, p - cache.first], cache.v[:, :, p - cache.first]
+            key_pos[:, p % self.window] = p
+        return self.StaticCache(k, v, key_pos)
+
 
 # ----------------------------------------------------------------------------------------------------
 # Causal linear attention (R)
@@ -412,6 +500,13 @@ class LinearState:
         return 0 if self.state is None else sum(t.nbytes for t in self.state)
 
 
+class StaticLinearState:
+    """A linear-attention layer's running sums for a compiled decode step, updated in place."""
+
+    def __init__(self, S, z):
+        self.S, self.z = S, z
+
+
 class LinearAttention(Attention):
     """Causal linear attention (Katharopoulos et al. 2020): softmax(q.k) replaced by phi(q).phi(k) with
     phi = elu + 1 > 0, so the sum over earlier keys is a running one. Per head:
@@ -425,7 +520,7 @@ class LinearAttention(Attention):
     values shared by a query group (GQA) are repeated per query head. Computed in fp32."""
 
     letter, description = "R", "causal linear attention"
-    Cache = LinearState
+    Cache, StaticCache = LinearState, StaticLinearState
     chunk = 64  # queries per chunk: the quadratic part costs chunk * d per token, the state d * d
 
     @classmethod
@@ -464,6 +559,21 @@ class LinearAttention(Attention):
             cache.update(start + q.size(2), state)
         return torch.cat(ys, dim=2).to(v.dtype)
 
+    def static_cache(self, cache, length, max_len):
+        return self.StaticCache(cache.state[0].clone(), cache.state[1].clone())
+
+    def step(self, q, k, v, gates, pos, cache, positions):
+        """The recurrence of linear_attention_chunk's decoded token, its sums updated in place."""
+        groups = self.n_head // self.n_kv_head
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        with torch.autocast(q.device.type, enabled=False):
+            q, k = F.elu(q.float()) + 1, F.elu(k.float()) + 1
+            rq, rk = positions.rotate_at(q, k, pos)
+            y, (S, z) = linear_attention_chunk(q, k, rq, rk, v.float(), (cache.S, cache.z))
+            cache.S.copy_(S)
+            cache.z.copy_(z)
+        return y.to(v.dtype)
+
 
 def linear_attention_chunk(q, k, rq, rk, v, state, eps=1e-6):
     """Causal linear attention over one chunk (B, H, T, D) after `state` (S, z), or None at the start:
@@ -496,6 +606,10 @@ def register(kind):
     letter = kind.letter
     if "exports_as" not in vars(kind):  # a subclass may change the math: it claims a transformers twin itself
         kind.exports_as = None
+    if "StaticCache" not in vars(kind):  # and it writes its own compiled decode step
+        kind.StaticCache = None
+    if "mask_mod" not in vars(kind) and "mask" in vars(kind):  # a mask of its own: no FlexAttention form until it writes one
+        kind.mask_mod = Attention.mask_mod
     if not (isinstance(letter, str) and len(letter) == 1 and letter.isalpha()):
         raise ValueError(f"{kind.__name__}.letter={letter!r}: a kind's letter is one letter")
     if KINDS.get(letter, kind) is not kind:

@@ -54,7 +54,7 @@ class BenchConfig(ModelKeys):  # and every model key (model.ModelKeys)
     prompt_len: int = 512  # sampling: prompt tokens (prefill)
     new_tokens: int = 200  # sampling: generated tokens (greedy)
     contexts: str = "10,100,1000"  # sampling: decode ms per token at these context lengths
-    compare: str = ""  # hf: also the same model in transformers; float32 (train): ours without autocast; adamw (train): ours with AdamW; row_products (sample, CPU): each one-row product
+    compare: str = ""  # hf: also the same model in transformers; float32 (train): ours without autocast; adamw (train): ours with AdamW; row_products (sample, CPU): each one-row product; compiled (sample): also the static-cache compiled decode step
     compare_patterns: str = ""  # train: also these attn_patterns of the same shape, interleaved (e.g. L,R,SL; S layers take attn_window)
     hf_dtype: str = "float32"  # transformers' dtype for --compare=hf (its weights and compute)
     draft: str = ""  # sampling: speculative decoding with ngram (prompt lookup) or a draft model's out_dir; "" = off
@@ -65,7 +65,7 @@ class BenchConfig(ModelKeys):  # and every model key (model.ModelKeys)
 
 
 BENCH_CHOICES = {"dtype": COMPUTE_DTYPES, "device": DEVICES,
-           "weights_dtype": WEIGHTS_DTYPES, "compare": ("", "hf", "float32", "adamw", "row_products"), "optimizer": tuple(OPTIMIZERS),
+           "weights_dtype": WEIGHTS_DTYPES, "compare": ("", "hf", "float32", "adamw", "row_products", "compiled"), "optimizer": tuple(OPTIMIZERS),
            "hf_dtype": ("float32", "bfloat16"), **MODEL_CHOICES}  # fmt: skip
 GREEDY = Sampling(temperature=0)
 
@@ -315,7 +315,7 @@ def bytes_read_per_token(model):
 def bench_sample(model, tokenizer, c, device):
     config = model.config
     if c.compare in ("float32", "adamw"):
-        raise ConfigError(f"compare={c.compare} is for training; sampling compares with compare=hf or row_products")
+        raise ConfigError(f"compare={c.compare} is for training; sampling compares with compare=hf, row_products or compiled")
     twin = hf_twin(model.eval(), c.hf_dtype).eval() if c.compare == "hf" else None  # from fp32 weights
     model = checked(for_inference, model, c.weights_dtype)
     P, N = c.prompt_len, c.new_tokens
@@ -344,6 +344,12 @@ def bench_sample(model, tokenizer, c, device):
         chosen = rows[0].product  # "ours" below: its times are the chosen product's
         runs["ours"] = with_product(chosen)
         runs.update({f"ours_{name}": with_product(name) for name in ROW_PRODUCTS if name != chosen})
+    compile_seconds = None
+    if c.compare == "compiled":
+        checked(generate.check_static, model)
+        runs["compiled"] = lambda: generate.generate(model, prompt, N, GREEDY, step=generate.StaticDecode(model, GREEDY))
+        with torch.no_grad():
+            compile_seconds = seconds(runs["compiled"], device)  # the first call compiles
     if twin is not None:
         mask = torch.ones_like(prompt)
         runs["hf"] = lambda: twin.generate(prompt, attention_mask=mask, max_new_tokens=N, min_new_tokens=N,
@@ -373,6 +379,10 @@ def bench_sample(model, tokenizer, c, device):
         result.update(row_product=chosen,
                       generate_tokens_per_sec_by_row_product={n: N / statistics.median(times[f"ours_{n}"]) for n in ROW_PRODUCTS},
                       chosen_vs_row_product={n: median_ratio(times, f"ours_{n}", "ours") for n in ROW_PRODUCTS})
+    if "compiled" in times:
+        compiled = statistics.median(times["compiled"])
+        result.update(compiled_compile_seconds=compile_seconds, compiled_generate_tokens_per_sec=N / compiled,
+                      compiled_decode_tokens_per_sec=N / (compiled - prefill), compiled_vs_eager=median_ratio(times, "ours", "compiled"))
     if "hf" in times:
         result.update(hf_generate_tokens_per_sec=N / statistics.median(times["hf"]), hf_dtype=c.hf_dtype,
                       speedup_vs_hf=median_ratio(times, "hf", "ours"))

@@ -220,6 +220,12 @@ class Dist:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
+    def all(self, flag):
+        """A boolean tensor true on every rank (an all-reduce of its minimum)."""
+        t = flag.to(torch.int32).reshape(1)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return t[0].bool()
+
     def gather(self, obj):
         if not self.enabled:
             return [obj]

@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+import attention
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -60,10 +62,24 @@ def sample_next(logits, sampling, generator=None):
     list with one per row (row i then draws exactly what a batch of one with that generator would)."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    probs = sampling.probs(logits)
+    return pick(logits, sampling, race_noise(logits.shape, logits.device, generator))
+
+
+def race_noise(shape, device, generator=None):
+    """Exp(1) noise (B, vocab) for pick(): one draw per token, row i from generator[i] when it is a list."""
     if isinstance(generator, list):
-        return torch.cat([torch.multinomial(p[None], 1, generator=g) for p, g in zip(probs, generator)])
-    return torch.multinomial(probs, 1, generator=generator)
+        return torch.stack([torch.empty(shape[-1], device=device).exponential_(generator=g) for g in generator])
+    return torch.empty(shape, device=device).exponential_(generator=generator)
+
+
+def pick(logits, sampling, noise):
+    """The token drawn from sampling's distribution by the exponential race: argmax of p / E with E ~
+    Exp(1) per token is exactly a draw from p (E / p is Exp(p), and the least of independent
+    exponentials is index i with probability p_i). Unlike torch.multinomial it never waits for the device,
+    and a compiled step takes the noise as an input (gpt-fast's sampler)."""
+    if sampling.temperature == 0:
+        return logits.argmax(dim=-1, keepdim=True)
+    return (sampling.probs(logits) / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1, keepdim=True)
 
 
 def check_max_new_tokens(max_new_tokens):
@@ -92,7 +108,8 @@ def next_logits(model, seq, length, cache=None):
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, sampling=Sampling(), eos_token_id=None, use_cache=True, generator=None):
+def generate(model, idx, max_new_tokens, sampling=Sampling(), eos_token_id=None, use_cache=True, generator=None,
+             step=None):
     """Continues each row of idx (B, T; rows of equal length) by up to max_new_tokens tokens and
     returns (B, T + new). Call model.eval() first, or dropout stays on. With the cache, the prompt runs
     once and then one token per step; without it, each step recomputes the last block_size tokens
@@ -102,8 +119,9 @@ def generate(model, idx, max_new_tokens, sampling=Sampling(), eos_token_id=None,
     early when every row has stopped, so `new` can be less than max_new_tokens.
 
     generator: None, a torch.Generator, or a list of one per row (row i then draws exactly the tokens
-    a batch of one with that generator would). Speculative decoding: speculative.generate."""
-    return torch.cat([idx, *stream(model, idx, max_new_tokens, sampling, eos_token_id, use_cache, generator)], dim=1)
+    a batch of one with that generator would). step: as stream's (StaticDecode: the compiled step).
+    Speculative decoding: speculative.generate."""
+    return torch.cat([idx, *stream(model, idx, max_new_tokens, sampling, eos_token_id, use_cache, generator, step)], dim=1)
 
 
 @torch.no_grad()
@@ -135,3 +153,56 @@ def stream(model, idx, max_new_tokens, sampling=Sampling(), eos_token_id=None, u
             yield token
             if eos_token_id is not None and bool(finished.all()):
                 return
+
+
+# ----------------------------------------------------------------------------------------------------
+# A compiled decode step over static caches (gpt-fast's shape): after an eager prefill, each layer's cache
+# becomes its kind's StaticCache (a full layer's keys preallocated to block_size, a window's ring, a linear
+# layer's sums), and one step is a pure function of tensors (the token, each row's position, the caches,
+# the sampler's noise), compiled with fullgraph=True: with CUDA graphs on a GPU (mode="reduce-overhead"),
+# the default mode on a CPU.
+
+
+def decode_one_token(model, tokens, pos, caches, noise, sampling):
+    return pick(model.decode_static(tokens, pos, caches), sampling, noise)
+
+
+def check_static(model):
+    """ValueError naming the kinds that have no compiled decode step (attention.py's StaticCache)."""
+    missing = sorted({kind for kind in model.config.layer_kinds if attention.KINDS[kind].StaticCache is None})
+    if missing:
+        raise ValueError(f"compile=True decodes through each layer's static cache; {attention.named(missing)} "
+                         "layers have none (StaticCache in attention.py): use compile=False")
+
+
+class StaticDecode:
+    """stream()'s step for compile=True: the prefill and any step that runs afresh (past block_size for
+    models with a context limit) go the eager way; every other token through decode_one_token, compiled.
+    Draws the same tokens as the eager loop (the same sampler, the noise drawn the same way), up to the
+    rounding of attention over a padded cache."""
+
+    def __init__(self, model, sampling, generator=None, compile=True):
+        check_static(model)
+        self.model, self.sampling, self.generator = model, sampling, generator
+        mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
+        self.run = torch.compile(decode_one_token, fullgraph=True, dynamic=False, mode=mode) if compile else decode_one_token
+        self.caches = None
+
+    def __call__(self, seq, length, end, cache):
+        limit = self.model.config.context_limit
+        if cache is None or (limit is not None and length >= limit):
+            return None  # the eager step: runs afresh past the context
+        if self.caches is None:
+            if cache.length != length - 1:  # the prefill (its first token) is the eager way's
+                return None
+            max_len = min(self.model.config.block_size, end)
+            self.caches = [block.attn.static_cache(layer, cache.length, max_len)
+                           for block, layer in zip(self.model.blocks, cache.layers)]
+            if seq.device.type == "cuda":  # CUDA graphs replay on fixed addresses: the caches are updated in place
+                for tensor in (t for c in self.caches for t in vars(c).values() if isinstance(t, torch.Tensor)):
+                    torch._dynamo.mark_static_address(tensor)
+        B = seq.size(0)
+        pos = torch.full((B,), length - 1, dtype=torch.long, device=seq.device)
+        noise = None if self.sampling.temperature == 0 else race_noise((B, self.model.config.vocab_size), seq.device, self.generator)
+        # a copy: a CUDA graph's output is overwritten by its next replay, and stream() hands tokens out
+        return self.run(self.model, seq[:, length - 1 : length], pos, self.caches, noise, self.sampling).clone()

@@ -233,6 +233,10 @@ class Block(nn.Module):
         and caches[i]."""
         return self.residual(x, lambda h: self.attn.forward_rows(h, positions, starts, masks, caches))
 
+    def forward_static(self, x, positions, pos, cache):
+        """GPT.decode_static: row b of x (B, 1, C) a token at position pos[b], through a StaticCache."""
+        return self.residual(x, lambda h: self.attn.forward_static(h, positions, pos, cache))
+
     def residual(self, x, attend):
         if self.post_norm:  # Vaswani et al. (2017): each residual sum normalised; needs warmup to train
             x = self.norm1(x + attend(x))
@@ -384,6 +388,15 @@ class GPT(nn.Module):
             x = block.forward_rows(x, self.positions, starts, [m[kind] for m in masks], [c.layers[i] for c in caches])
         for cache in caches:
             cache.advance(1)
+        return self.lm_head(self.norm_f(x))[:, -1]
+
+    def decode_static(self, tokens, pos, caches):
+        """One decode step as a pure function of tensors (it compiles with fullgraph=True): tokens (B, 1),
+        row b at position pos[b] (a (B,) tensor), through each layer's StaticCache (caches[i]: layer i's,
+        updated in place) -> logits (B, vocab). generate.StaticDecode runs it."""
+        x = self.drop(self.positions.embed_at(self.tok_emb(tokens), pos))
+        for block, cache in zip(self.blocks, caches):
+            x = block.forward_static(x, self.positions, pos, cache)
         return self.lm_head(self.norm_f(x))[:, -1]
 
     def forward_cached(self, idx, cache=None, last=1):

@@ -52,7 +52,7 @@ class Muon(torch.optim.Muon):
     def __init__(self, params, ns_dtype=torch.bfloat16, compiled=False, shard=None, **kwargs):
         super().__init__(params, **kwargs)
         self.ns_dtype = ns_dtype
-        self.orthogonalise = torch.compile(newton_schulz, dynamic=False, fullgraph=True) if compiled else newton_schulz
+        self.orthogonalise = torch.compile(newton_schulz, dynamic=False) if compiled else newton_schulz
         self.shard = shard
 
     @torch.no_grad()

@@ -8,6 +8,9 @@ scheme needs a branch anywhere else:
                                  at k_start.., with -inf on keys after a query (the causal mask), or None
   score_mod(T):                 the same bias as FlexAttention's score_mod(score, b, h, q_idx, kv_idx), for
                                  T queries and keys from position 0 (the mask hides later keys), or None
+and, for a compiled decode step where each row has its own position (a tensor pos of shape (B,)):
+  embed_at(x, pos), rotate_at(q, k, pos), bias_at(pos, key_pos): the same for one token per row, the bias
+                                 (B, n_head, 1, K) for keys at key_pos (B, K), -inf on later or empty (-1) keys
 Absolute: learned (GPT-2), sinusoidal (Vaswani et al.). Relative: rope (Su et al., with linear or YaRN
 scaling for contexts past the trained one), alibi (Press et al.), t5 (Raffel et al.), none (NoPE).
 """
@@ -36,6 +39,15 @@ class NoPositions(nn.Module):
     def score_mod(self, T):
         return None
 
+    def embed_at(self, x, pos):
+        return x
+
+    def rotate_at(self, q, k, pos):
+        return q, k
+
+    def bias_at(self, pos, key_pos):
+        return None
+
 
 class LearnedPositions(NoPositions):
     """GPT-2: a trained vector per absolute position."""
@@ -46,6 +58,9 @@ class LearnedPositions(NoPositions):
 
     def embed(self, x, start):
         return x + self.wpe.weight[start : start + x.size(1)]
+
+    def embed_at(self, x, pos):
+        return x + self.wpe.weight[pos][:, None]
 
 
 class SinusoidalPositions(NoPositions):
@@ -65,6 +80,9 @@ class SinusoidalPositions(NoPositions):
 
     def embed(self, x, start):
         return x + self.scale * self.table[start : start + x.size(1)].to(x.dtype)
+
+    def embed_at(self, x, pos):
+        return x + self.scale * self.table[pos][:, None].to(x.dtype)
 
 
 class RotaryPositions(NoPositions):
@@ -93,6 +111,14 @@ class RotaryPositions(NoPositions):
             cos, sin = self.cos[start : start + T].to(q.dtype), self.sin[start : start + T].to(q.dtype)
         else:
             cos, sin = (t.to(q.dtype) for t in self.cos_sin(torch.arange(start, start + T, dtype=torch.float32, device=q.device)))
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def rotate_at(self, q, k, pos):
+        inside = (pos < self.cos.size(0))[:, None]  # the table's values where it has them, as rotate() takes
+        cos, sin = self.cos_sin(pos.float())
+        table = pos.clamp(max=self.cos.size(0) - 1)
+        cos, sin = torch.where(inside, self.cos[table], cos), torch.where(inside, self.sin[table], sin)
+        cos, sin = cos[:, None, None].to(q.dtype), sin[:, None, None].to(q.dtype)  # (B, 1, 1, D): per row
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -138,8 +164,13 @@ class ALiBiPositions(NoPositions):
         bias = -self.slopes.float()[:, None, None] * distance  # in fp32 even for bf16 weights: slopes are powers of 2
         return bias.masked_fill(distance < 0, float("-inf"))
 
+    def bias_at(self, pos, key_pos):
+        distance = pos[:, None] - key_pos  # (B, K)
+        bias = -self.slopes.float()[None, :, None] * distance[:, None, :]
+        return bias.masked_fill(((distance < 0) | (key_pos < 0))[:, None, :], float("-inf"))[:, :, None]
+
     def score_mod(self, T):
-        slopes = self.slopes
+        slopes = self.slopes.float()
 
         def alibi(score, b, h, q_idx, kv_idx):
             return score - slopes[h] * (q_idx - kv_idx)
@@ -180,13 +211,18 @@ class T5Positions(NoPositions):
         bias = self.bias(t5_bucket(distance.clamp_min(0), self.n_buckets, self.max_distance)).permute(2, 0, 1)
         return bias.float().masked_fill(distance < 0, float("-inf"))
 
+    def bias_at(self, pos, key_pos):
+        distance = pos[:, None] - key_pos  # (B, K)
+        bias = self.bias(t5_bucket(distance.clamp_min(0), self.n_buckets, self.max_distance)).permute(0, 2, 1)
+        return bias.float().masked_fill(((distance < 0) | (key_pos < 0))[:, None, :], float("-inf"))[:, :, None]
+
     def score_mod(self, T):
-        table = self.bias.weight  # (buckets, n_head), read inside the kernel: its gradient flows from there
+        table = self.bias.weight.float()  # (buckets, n_head), read inside the kernel: its gradient flows from there
         # the bucket of every distance a block can hold (later keys, hidden by the mask, read bucket 0)
         buckets = t5_bucket(torch.arange(T, device=table.device), self.n_buckets, self.max_distance)
 
         def t5(score, b, h, q_idx, kv_idx):
-            return score + table[buckets[(q_idx - kv_idx).clamp(min=0)], h].float()
+            return score + table[buckets[(q_idx - kv_idx).clamp(min=0)], h]
 
         return t5
 

@@ -44,6 +44,7 @@ class SampleConfig(ContextKeys):
     draft: str = ""  # speculative decoding: ngram (prompt lookup) | a smaller model's out_dir or Hugging Face name/directory; "" = off
     num_draft: Optional[int] = None  # tokens the draft proposes per step; None = 4 for ngram, 2 for a model
     crop_prompt: str = "no"  # a prompt longer than block_size: no (refused) | left (keep its last block_size tokens, as nanoGPT)
+    compile: bool = False  # decode through static caches with a torch.compile'd step (CUDA graphs on a GPU); the same tokens
 
 
 SAMPLE_CHOICES = {"device": DEVICES, "weights_dtype": WEIGHTS_DTYPES, "crop_prompt": ("no", "left"), **ContextKeys.CHOICES}
@@ -124,6 +125,10 @@ def log_precision(c, device, ids, config):
         print(note, file=sys.stderr, flush=True)
 
 
+def compiled_step(model, c, generators):
+    return checked(generate.StaticDecode, model, sampling_of(c), generators) if c.compile else None
+
+
 def sampling_of(c):
     return checked(Sampling, c.temperature, c.top_k, c.top_p)
 
@@ -136,7 +141,8 @@ def generate_texts(model, tokenizer, prompt, c, device, draft=None):
     eos = stop_token(tokenizer, c.stop)
     log_precision(c, device, ids, model.config)
     if draft is None:
-        out = generate.generate(model, idx, c.max_new_tokens, sampling_of(c), eos, generator=generators)
+        out = generate.generate(model, idx, c.max_new_tokens, sampling_of(c), eos, generator=generators,
+                                step=compiled_step(model, c, generators))
     else:
         out = speculative.generate(model, idx, c.max_new_tokens, sampling_of(c), draft, eos, generators)
     return [decode(tokenizer, ids, row[len(ids) :].tolist(), c.stop) for row in out]
@@ -156,7 +162,8 @@ def stream_text(model, tokenizer, prompt, c, device, write, draft=None):
     log_precision(c, device, ids, model.config)
     write(prompt)  # as batch mode prints it: the prompt, then the sample
     if draft is None:
-        columns = generate.stream(model, idx, c.max_new_tokens, sampling_of(c), eos, generator=generator)
+        columns = generate.stream(model, idx, c.max_new_tokens, sampling_of(c), eos, generator=generator,
+                                  step=compiled_step(model, c, generator))
     else:
         columns = speculative.stream(model, idx, c.max_new_tokens, sampling_of(c), draft, eos, generator)
     for column in columns:
@@ -200,6 +207,9 @@ def sample(c):
         raise ConfigError(f"num_samples={c.num_samples} must be >= 1")
     if c.stream and c.num_samples != 1:
         raise ConfigError("stream=True prints one sample as it arrives: set num_samples=1")
+    if c.compile and c.draft:
+        raise ConfigError("compile=True compiles the plain decode step; speculative decoding (draft) runs eager: "
+                          "leave one of them off")
     device = pick_device(c.device)
     draft = speculative.load_draft(c.draft, c.num_draft) if c.draft else None  # a bad num_draft fails here
     model, tokenizer, _ = load_for(c)

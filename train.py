@@ -288,14 +288,14 @@ class Run:
         if c.fsdp:
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-            # weights gathered in the autocast dtype (half the bytes of fp32), gradients reduced in fp32;
-            # the residual stream between blocks stays fp32, as autocast keeps it without FSDP2
-            low = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(self.dtype)
-            policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None,
-                                          cast_forward_inputs=False)
+            # bf16: weights gathered and used in bf16 (half the bytes of fp32), gradients reduced in fp32,
+            # torchtitan's way; the residual stream is then bf16 too, where DDP's autocast keeps it fp32 (the
+            # two differ by that rounding). fp16 keeps fp32 weights: an fp16 stream could overflow
+            low = torch.bfloat16 if self.dtype == "bfloat16" else None
+            policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)
             for block in model.blocks:
-                if c.compile:  # each block compiled before it is sharded, so FSDP2's hooks stay outside its graph
-                    block.compile()
+                if c.compile:  # each block compiled before it is sharded (torchtitan's order; FSDP2's hooks are
+                    block.compile()  # kept out of the graph by dynamo's skip_fsdp_hooks)
                 fully_shard(block, mp_policy=policy)
             fully_shard(model, mp_policy=policy)
         self.raw_model = model
@@ -398,8 +398,8 @@ class Run:
         # with fp16 an infinite gradient is the GradScaler's business: it skips the step and rescales
         finite = torch.isfinite(loss_sum) if self.scaler.is_enabled() else torch.isfinite(loss_sum) & torch.isfinite(grad_norm)
         skipped = False
-        if c.skip_nonfinite:
-            skipped = not bool(finite.item())  # deciding needs the value now: one host sync per step
+        if c.skip_nonfinite:  # deciding needs the value now: one host sync per step; every rank the same
+            skipped = not bool((finite if not self.world.enabled else self.world.all(finite)).item())
         else:
             first_bad = torch.where(~finite & (first_bad < 0), iter_num, first_bad)
         if not skipped:

@@ -341,34 +341,39 @@ def test_register_refuses_a_taken_or_bad_letter():
 # FlexAttention: the GPU path of windows and position biases, its forward checked here on CPU
 
 
-FLEX_CASES = {  # the model, and how many of its layers FlexAttention runs (a plain causal L layer: SDPA's flash)
-    "window": (dict(attn_pattern="SL", attn_window=5), 1),
-    "alibi": (dict(pos_emb="alibi"), 2),
-    "t5 window gqa": (dict(pos_emb="t5", attn_pattern="S", attn_window=9, n_kv_head=1), 2),
+FLEX_CASES = {  # the model (heads of 16: FlexAttention's least), and how many of its layers FlexAttention runs
+    "window": (dict(attn_pattern="SL", attn_window=5, n_head=2), 1),  # (a plain causal L layer: SDPA's flash)
+    "alibi": (dict(pos_emb="alibi", n_head=2), 2),
+    "t5 window gqa": (dict(pos_emb="t5", attn_pattern="S", attn_window=9, n_head=2, n_kv_head=1), 2),
 }
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the unfused form, on purpose
 @pytest.mark.parametrize("case, flex_layers", FLEX_CASES.values(), ids=FLEX_CASES.keys())
 def test_flex_attention_forward_equals_sdpa_with_the_dense_mask(monkeypatch, case, flex_layers):
-    """Where FlexAttention runs (a GPU's training shape), its block masks and score_mods are the dense
-    masks' and biases' (torch 2.13 has its forward on CPU, not its backward); compiled in one case."""
+    """Where FlexAttention runs (a GPU's training forward), its block masks and score_mods are the dense
+    masks' and biases' (torch 2.13 has its forward on CPU, not its backward: weights frozen here);
+    compiled in one case. Evaluation (no gradients), other lengths and narrow heads keep the dense mask."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    model = build(**case)
+    model = build(**case).requires_grad_(False)
     idx = torch.randint(0, model.config.vocab_size, (2, model.config.block_size), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        dense = model(idx)[0]
-        monkeypatch.setattr(attention, "FLEX_DEVICES", ("cpu",))
-        if "alibi" not in case.values():  # the unfused form of the same mask_mod and score_mod: the semantics
-            monkeypatch.setattr(attention, "flex_kernel", lambda: flex_attention)
-        calls = []
-        monkeypatch.setattr(attention, "attention_flex", lambda *a: calls.append(a[3]) or real_flex(*a))
-        flex = model(idx)[0]
-        shorter = model(idx[:, :-1])[0]  # another length: the dense mask, no FlexAttention
+    dense = model(idx)[0]
+    monkeypatch.setattr(attention, "FLEX_DEVICES", ("cpu",))
+    if "alibi" not in case.values():  # the unfused form of the same mask_mod and score_mod: the semantics
+        monkeypatch.setattr(attention, "flex_kernel", lambda: flex_attention)
+    calls = []
+    monkeypatch.setattr(attention, "attention_flex", lambda *a: calls.append(a[3]) or real_flex(*a))
+    flex = model(idx)[0]
     assert len(calls) == flex_layers and all(isinstance(m, attention.FlexMask) for m in calls)
     assert (flex - dense).abs().max().item() < 1e-5
-    assert len(calls) == flex_layers and torch.allclose(shorter, dense[:, :-1], atol=1e-5)
+    q = torch.randn(2, model.config.n_head, idx.size(1), 16)  # the explicit path (interpret.py) takes it densely
+    assert torch.equal(attention.attention_scores(q, q, calls[0]), attention.attention_scores(q, q, calls[0].dense()))
+    with torch.no_grad():
+        model(idx)
+    shorter = model(idx[:, :-1])[0]
+    narrow = build(**{**case, "n_head": 4}).requires_grad_(False)(idx)[0]
+    assert len(calls) == flex_layers and torch.allclose(shorter, dense[:, :-1], atol=1e-5) and narrow.isfinite().all()
 
 
 real_flex = attention.attention_flex

@@ -65,6 +65,13 @@ def test_sample_on_the_gpu(cuda_run, args):
     assert result.stdout.count("---------------") == 2
 
 
+def test_compiled_decoding_on_the_gpu_gives_the_eager_text(cuda_run):
+    """sample.py --compile=True: static caches and the step under CUDA graphs (mode="reduce-overhead")."""
+    args = ["sample.py", f"--out_dir={cuda_run}", "--device=cuda", "--start=The king", "--num_samples=2",
+            "--max_new_tokens=40", "--temperature=0", "--weights_dtype=float32"]
+    assert ok(run_main(*args, "--compile=True")).stdout == ok(run_main(*args)).stdout
+
+
 def test_greedy_text_on_the_gpu_equals_the_cpus(cuda_run):
     """fp32 weights, greedy: the GPU's text is the CPU's (TF32 may flip a near-tie: compared over 20 tokens)."""
     texts = [ok(run_main("sample.py", f"--out_dir={cuda_run}", f"--device={d}", "--num_samples=1", "--weights_dtype=float32",
@@ -164,8 +171,8 @@ def test_every_script_gets_tf32_from_pick_device():
     assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
 
 
-@pytest.mark.parametrize("case", [dict(attn_pattern="SL", attn_window=16), dict(pos_emb="alibi"),
-                                  dict(pos_emb="t5", n_kv_head=1)], ids=["window", "alibi", "t5 gqa"])
+@pytest.mark.parametrize("case", [dict(attn_pattern="SL", attn_window=16, n_head=2), dict(pos_emb="alibi", n_head=2),
+                                  dict(pos_emb="t5", n_head=2, n_kv_head=1)], ids=["window", "alibi", "t5 gqa"])
 def test_flex_attention_trains_as_sdpa_with_the_dense_mask(monkeypatch, case):
     """On the GPU, windows and position biases at the training shape go through FlexAttention: the loss
     and every gradient (T5's table included) as SDPA with the dense mask, in fp32."""

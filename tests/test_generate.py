@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import generate
 from conftest import build
 from generate import Sampling, filter_logits, next_logits, sample_next
 
@@ -152,3 +153,60 @@ def test_per_row_generators_match_single_rows():
         single = model.generate(prompt[:1], 15, generator=torch.Generator().manual_seed(100 + i))
         assert torch.equal(batch[i : i + 1], single)
     assert len({tuple(row.tolist()) for row in batch}) > 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# The static-cache decode step (generate.StaticDecode): the eager loop's tokens
+
+
+STATIC_CASES = {
+    "learned": {}, "rope gqa": dict(pos_emb="rope", n_kv_head=2), "alibi": dict(pos_emb="alibi"),
+    "t5": dict(pos_emb="t5"), "sinusoidal": dict(pos_emb="sinusoidal"),
+    "window and full": dict(pos_emb="rope", attn_pattern="SL", attn_window=5),
+    "linear and window, past block_size": dict(pos_emb="rope", attn_pattern="RS", attn_window=6),
+}  # fmt: skip
+
+
+def eager_and_static(model, sampling, new_tokens, compile, eos=None):
+    idx = torch.randint(0, 61, (3, 7), generator=torch.Generator().manual_seed(1))
+    gens = lambda: [torch.Generator().manual_seed(10 + i) for i in range(3)]  # noqa: E731
+    eager = model.generate(idx, new_tokens, sampling, eos, generator=gens())
+    g = gens()
+    static = generate.generate(model, idx, new_tokens, sampling, eos, generator=g,
+                               step=generate.StaticDecode(model, sampling, g, compile=compile))
+    return eager, static
+
+
+@pytest.mark.parametrize("case", STATIC_CASES.values(), ids=STATIC_CASES.keys())
+def test_static_decode_step_gives_the_eager_loops_tokens(case):
+    """Every kind's StaticCache and every position scheme's *_at hooks, uncompiled: the same greedy and
+    seeded tokens as the eager loop, past block_size (32) too (there: afresh, or the ring and the sums)."""
+    model = build(**case)
+    for sampling in (Sampling(temperature=0), Sampling(temperature=0.9, top_k=20)):
+        eager, static = eager_and_static(model, sampling, 50, compile=False, eos=5)
+        assert torch.equal(eager, static), sampling
+
+
+def test_compiled_static_decode_step_gives_the_eager_loops_tokens():
+    """Compiled with fullgraph=True (CPU: the default mode), the three static caches in one model."""
+    torch._dynamo.reset()
+    model = build(pos_emb="rope", attn_pattern="SRL", n_layer=3, attn_window=4)
+    sampling = Sampling(temperature=0.8, top_p=0.9)  # (greedy differs only in pick's argmax)
+    eager, static = eager_and_static(model, sampling, 20, compile=True)
+    assert torch.equal(eager, static)
+
+
+def test_a_kind_without_a_static_step_is_refused_in_one_line():
+    """StaticCache is never inherited: a subclass that changes the math has no compiled step until it writes one."""
+    import attention
+
+    class Gated(attention.LinearAttention):
+        letter, description = "Q", "a test's gated linear attention"
+
+    attention.register(Gated)
+    try:
+        assert Gated.StaticCache is None and attention.LinearAttention.StaticCache is not None
+        with pytest.raises(ValueError, match=r"Q \(a test's gated linear attention\) layers have none \(StaticCache"):
+            generate.StaticDecode(build(pos_emb="rope", attn_pattern="QL"), Sampling())
+    finally:
+        del attention.KINDS["Q"]

@@ -184,3 +184,18 @@ def test_a_long_or_past_the_context_run_says_so_before_it_starts(trained_run):
     fits = sample.length_notes(SimpleNamespace(max_new_tokens=32, stream=False, num_samples=1), 1, config)
     assert fits == []  # the 32nd new token is drawn from 32 tokens: still inside the context
     assert len(sample.length_notes(SimpleNamespace(max_new_tokens=33, stream=False, num_samples=1), 1, config)) == 1
+
+
+def test_compile_true_samples_the_eager_text(trained_run):
+    """sample.py --compile=True (static caches, a compiled step): the same sampled text as without it."""
+    import torch
+
+    torch._dynamo.reset()
+    args = ["sample.py", f"--out_dir={trained_run}", "--start=The king", "--num_samples=2", "--max_new_tokens=30",
+            "--device=cpu"]
+    plain, compiled = run_main(*args), run_main(*args, "--compile=True")
+    assert plain.returncode == compiled.returncode == 0, compiled.stderr
+    assert compiled.stdout == plain.stdout and "The king" in plain.stdout
+    refused = run_main(*args, "--compile=True", "--draft=ngram")
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "error: compile=True compiles the plain decode step; speculative decoding (draft) runs eager: leave one of them off"]
