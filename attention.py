@@ -316,9 +316,39 @@ class FullKV:
         return 0 if self.k is None else 2 * self.k[:, :, :length].numel() * self.k.element_size()
 
 
-class StaticKV:
+class StaticRows:
+    """What every StaticCache shares: its tensors (`fields`, the batch first) as rows a server's batch can
+    take a view of, fill, move and allocate (generate.BatchRows)."""
+
+    fields = ()
+
+    def rows(self, n, length=None):
+        """The first n rows, as views (a full layer's first `length` positions): a step over them writes
+        into this cache."""
+        return type(self)(*(getattr(self, name)[:n] for name in self.fields))
+
+    def put(self, row, other):
+        """Row `row` := the one row of other (a cache of the same capacity)."""
+        for name in self.fields:
+            getattr(self, name)[row] = getattr(other, name)[0]
+
+    def move(self, src, dst):
+        for name in self.fields:
+            tensor = getattr(self, name)
+            tensor[dst] = tensor[src]
+
+    @classmethod
+    def batch(cls, template, rows):
+        """An empty cache of `rows` rows shaped as template's one."""
+        return cls(*(getattr(template, name).new_zeros(rows, *getattr(template, name).shape[1:]) for name in cls.fields))
+
+
+class StaticKV(StaticRows):
     """A full layer's keys and values for a compiled decode step: (B, H, max_len, D) from the start, row b
-    written at its own position; key_pos (B, max_len) is each slot's position."""
+    written at its own position; key_pos (B, max_len) is each slot's position. grow() makes room for
+    longer rows (a server's batch grows its caches with its longest row)."""
+
+    fields = ("k", "v")
 
     def __init__(self, k, v):
         B, _, max_len, _ = k.shape
@@ -329,6 +359,15 @@ class StaticKV:
         rows = torch.arange(k.size(0), device=k.device)
         self.k[rows, :, pos] = k[:, :, 0]
         self.v[rows, :, pos] = v[:, :, 0]
+
+    def rows(self, n, length=None):
+        return type(self)(self.k[:n, :, :length], self.v[:n, :, :length])
+
+    def grow(self, max_len):
+        B, H, length, D = self.k.shape
+        k, v = self.k.new_zeros(B, H, max_len, D), self.v.new_zeros(B, H, max_len, D)
+        k[:, :, :length], v[:, :, :length] = self.k, self.v
+        return type(self)(k, v)
 
 
 class FullAttention(Attention):
@@ -404,6 +443,9 @@ class StaticWindowKV(StaticKV):
     """A sliding-window layer's keys and values for a compiled decode step: a ring of `window` slots per
     row, position p in slot p % window; key_pos is each slot's position (-1: empty)."""
 
+    fields = ("k", "v", "key_pos")
+    rows = StaticRows.rows  # the whole ring, whatever the length
+
     def __init__(self, k, v, key_pos):
         self.k, self.v, self.key_pos = k, v, key_pos
 
@@ -412,6 +454,9 @@ class StaticWindowKV(StaticKV):
         self.k[rows, :, slot] = k[:, :, 0]
         self.v[rows, :, slot] = v[:, :, 0]
         self.key_pos[rows, slot] = pos
+
+    def grow(self, max_len):
+        return self  # a ring of its window, whatever the length
 
 
 class SlidingWindowAttention(FullAttention):
@@ -500,8 +545,13 @@ class LinearState:
         return 0 if self.state is None else sum(t.nbytes for t in self.state)
 
 
-class StaticLinearState:
+class StaticLinearState(StaticRows):
     """A linear-attention layer's running sums for a compiled decode step, updated in place."""
+
+    fields = ("S", "z")
+
+    def grow(self, max_len):
+        return self
 
     def __init__(self, S, z):
         self.S, self.z = S, z

@@ -206,3 +206,98 @@ class StaticDecode:
         noise = None if self.sampling.temperature == 0 else race_noise((B, self.model.config.vocab_size), seq.device, self.generator)
         # a copy: a CUDA graph's output is overwritten by its next replay, and stream() hands tokens out
         return self.run(self.model, seq[:, length - 1 : length], pos, self.caches, noise, self.sampling).clone()
+
+
+# ----------------------------------------------------------------------------------------------------
+# A server's batch: sequences decoded together, each at its own length (serve.py's Engine)
+
+
+def sample_rows(logits, samplings, generators):
+    """(B, vocab) logits -> (B,) tokens: row i drawn with samplings[i] from generators[i], exactly as
+    sample_next draws it alone; the rows that share a Sampling are drawn in one call."""
+    tokens = torch.empty(logits.size(0), dtype=torch.long, device=logits.device)
+    groups = {}
+    for i, sampling in enumerate(samplings):
+        groups.setdefault(sampling, []).append(i)
+    for sampling, rows in groups.items():
+        index = torch.tensor(rows, device=logits.device)
+        tokens[index] = sample_next(logits[index], sampling, [generators[i] for i in rows])[:, 0]
+    return tokens
+
+
+class BatchRows:
+    """Up to max_rows sequences in one set of static caches (each kind's StaticCache), row i at its own
+    length: a step is one GPT.decode_static over rows 0..n-1 (attention for every row in one call per
+    layer, one mask). A sequence joins at row n (its prefill's cache copied in) and one that ends has the
+    last row moved into its place, so a step takes views, never copies. Full layers hold the longest row's
+    positions, rounded up to a power of two (from 16) and at most block_size: memory is at most max_rows x
+    block_size positions per full layer, a window's ring or a linear layer's sums per row for the others."""
+
+    def __init__(self, model, max_rows):
+        self.model, self.max_rows, self.layers, self.n, self.capacity = model, max_rows, None, 0, 0
+
+    def fit(self, length):
+        capacity = 16
+        while capacity < length:
+            capacity *= 2
+        return min(capacity, self.model.config.block_size)
+
+    def reserve(self, length):
+        """Room for positions up to length - 1 in every row."""
+        if self.layers is not None and length > self.capacity:
+            self.capacity = self.fit(length)
+            self.layers = [layer.grow(self.capacity) for layer in self.layers]
+
+    def add(self, cache):
+        """A prefilled sequence (its dynamic KVCache) joins; returns its row."""
+        self.reserve(cache.length + 1)
+        if self.layers is None:
+            self.capacity = self.fit(cache.length + 1)
+        rows = [block.attn.static_cache(layer, cache.length, self.capacity) for block, layer in zip(self.model.blocks, cache.layers)]
+        if self.layers is None:
+            self.layers = [type(row).batch(row, self.max_rows) for row in rows]
+        for layer, row in zip(self.layers, rows):
+            layer.put(self.n, row)
+        self.n += 1
+        return self.n - 1
+
+    def remove(self, row):
+        """Row `row` leaves; the last row takes its place (the caller moves its own record the same way)."""
+        self.n -= 1
+        if row != self.n:
+            for layer in self.layers:
+                layer.move(self.n, row)
+
+    def step(self, tokens, positions):
+        """tokens (n, 1) at positions (a list of n ints) -> logits (n, vocab). Full layers attend over the
+        positions up to the longest row's, not their whole capacity."""
+        length = max(positions) + 1
+        self.reserve(length)
+        pos = torch.tensor(positions, device=tokens.device)
+        return self.model.decode_static(tokens, pos, [layer.rows(self.n, length) for layer in self.layers])
+
+
+class DynamicRows:
+    """BatchRows for models with a kind that has no StaticCache: each row keeps its own dynamic cache and
+    GPT.decode_rows runs attention row by row (the projections and MLPs still once for the batch)."""
+
+    def __init__(self, model, max_rows):
+        self.model, self.caches = model, []
+
+    def add(self, cache):
+        self.caches.append(cache)
+        return len(self.caches) - 1
+
+    def remove(self, row):
+        last = self.caches.pop()
+        if row < len(self.caches):
+            self.caches[row] = last
+
+    def step(self, tokens, positions):
+        return self.model.decode_rows(tokens, self.caches)
+
+
+def row_batch(model, max_rows):
+    """The batch a server decodes its requests in: BatchRows where every layer's kind has a StaticCache."""
+    static = all(attention.KINDS[kind].StaticCache is not None for kind in model.config.layer_kinds)
+    return (BatchRows if static else DynamicRows)(model, max_rows)

@@ -12,9 +12,11 @@ Needs `pip install -r requirements-serve.txt` (FastAPI and uvicorn; nothing else
 
 How requests share the model (continuous batching, as Orca, vLLM and llama.cpp's slots do it): the Engine
 keeps a batch of up to max_batch rows, one per request. Each loop step it lets waiting requests join (a
-prefill of each prompt into a cache of its own, which samples its first token), then runs one decode step
-for every row at once (GPT.decode_rows: the weights are read once for the whole batch, and reading them is
-what a CPU decode step costs), and lets each row sample with its own settings and seed. A row leaves when
+prefill of one chunk of a prompt into a cache of its own; after its last chunk the request samples its
+first token and its cache joins the batch's), then runs one decode step for every row at once
+(generate.BatchRows: each row at its own length in one set of static caches, attention for all rows in one
+call per layer; the weights are read once for the whole batch, and reading them is what a CPU decode step
+costs), and samples every row with its own settings and seed, in one call per setting. A row leaves when
 its request is done (length, stop string, end-of-text) or its client has gone, and its place is free at
 the next step.
 """
@@ -23,6 +25,7 @@ import asyncio
 import collections
 import itertools
 import json
+import signal
 import sys
 import threading
 import time
@@ -35,7 +38,7 @@ from checkpoint import ContextKeys, load_for
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import DataError, continuation
 from device import DEVICES, pick_device
-from generate import Sampling, next_logits, sample_next
+from generate import Sampling, next_logits, row_batch, sample_next, sample_rows
 from quantize import WEIGHTS_DTYPES, for_inference, precision_line
 
 MAX_BODY_BYTES = 1 << 20  # a request larger than 1 MB is refused (413) before it is parsed
@@ -52,6 +55,7 @@ class ServeConfig(ContextKeys):
     weights_dtype: str = "auto"  # auto (bf16 on a GPU with bf16, else float32) | float32 | bfloat16 | float16 | int8 (CPU; quantised, see docs/guide.md)
     max_batch: int = 8  # requests decoded together; more wait in the queue
     max_queue: int = 64  # requests waiting beyond the batch; past it, 503 with Retry-After
+    prefill_chunk: int = 64  # prompt tokens prefilled per engine turn, between the running rows' decode steps
     api_key: str = ""  # if set, requests must send Authorization: Bearer <api_key>
     model_name: str = ""  # the id /v1/models reports; "" = the out_dir's (or init_from's) name
 
@@ -92,7 +96,10 @@ class Job:
 
     def take(self, logits):
         """logits (1, vocab) of the next position: samples a token and sends what it adds."""
-        token = int(sample_next(logits, self.sampling, self.generator))
+        self.accept(int(sample_next(logits, self.sampling, [self.generator])), logits)
+
+    def accept(self, token, logits):
+        """The token drawn from logits (1, vocab) (by the engine's sampling of the whole batch): sends what it adds."""
         self.tokens.append(token)
         entry = None
         if self.logprobs is not None:
@@ -129,89 +136,166 @@ class QueueFull(Exception):
     pass
 
 
-class Engine:
-    """The decode loop (run(), in a daemon thread): admits waiting jobs into free rows, then steps every
-    row at once. submit() is called from the HTTP side."""
+class Outbox:
+    """What the engine sends to the HTTP side during one turn, handed over at its end with one wake-up per
+    event loop (a call_soon_threadsafe per token per stream costs the server a wake-up each: with 32
+    streams, 32 a step)."""
 
-    def __init__(self, model, max_batch, max_queue):
-        self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
+    def __init__(self):
+        self.items = collections.defaultdict(list)
+
+    def post(self, loop, put, event):
+        self.items[loop].append((put, event))
+
+    def flush(self):
+        items, self.items = self.items, collections.defaultdict(list)
+        for loop, puts in items.items():
+            loop.call_soon_threadsafe(deliver, puts)
+
+
+def deliver(puts):
+    for put, event in puts:
+        put(event)
+
+
+class Engine:
+    """The decode loop (run(), in a daemon thread): each turn admits waiting jobs while rows are free,
+    prefills one chunk of one joining prompt (prefill_chunk tokens: a long prompt is spread over several
+    turns, so the running streams keep getting tokens), then runs one decode step for every running row
+    (generate.row_batch: one batch, each row at its own length) and samples them in one call per setting.
+    submit() is called from the HTTP side."""
+
+    def __init__(self, model, max_batch, max_queue, prefill_chunk=64, thread=True):
+        self.model, self.max_batch, self.max_queue, self.prefill_chunk = model, max_batch, max_queue, prefill_chunk
         self.device = next(model.parameters()).device
-        self.waiting, self.rows = collections.deque(), []
+        self.batch = row_batch(model, max_batch)
+        self.waiting, self.joining = collections.deque(), collections.deque()
+        self.rows, self.sliding = [], []  # rows[i] is the batch's row i; sliding: past the context, run afresh
         self.wake = threading.Condition()
         self.steps = self.widest = 0  # decode steps so far, and the most rows one of them had (/health)
-        threading.Thread(target=self.run, daemon=True, name="engine").start()
+        self.outbox = Outbox()  # the jobs' events of a turn (their send posts here), handed over at its end
+        if thread:  # (serve.py runs it in the main thread instead: see serve())
+            threading.Thread(target=self.run, daemon=True, name="engine").start()
+
+    def occupied(self):
+        return len(self.rows) + len(self.sliding) + len(self.joining)
 
     def submit(self, jobs):
         """Queues the jobs of one request, all or none (QueueFull)."""
         with self.wake:
-            if len(self.waiting) + len(jobs) > self.max_queue + self.max_batch - len(self.rows):
+            if len(self.waiting) + len(jobs) > self.max_queue + self.max_batch - self.occupied():
                 raise QueueFull
             self.waiting.extend(jobs)
             self.wake.notify()
 
     def busy(self):
-        return {"running": len(self.rows), "waiting": len(self.waiting), "max_batch": self.max_batch,
-                "max_queue": self.max_queue, "decode_steps": self.steps, "widest_step": self.widest}
+        return {"running": len(self.rows) + len(self.sliding), "joining": len(self.joining), "waiting": len(self.waiting),
+                "max_batch": self.max_batch, "max_queue": self.max_queue, "decode_steps": self.steps, "widest_step": self.widest}
 
-    def run(self):
-        while True:
+    def run(self, stopped=lambda: False):
+        while not stopped():
             with self.wake:
-                while not self.waiting and not self.rows:
-                    self.wake.wait()
-                joining = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch - len(self.rows)))]
-            for job in joining:
+                while not (self.waiting or self.joining or self.rows or self.sliding) and not stopped():
+                    self.wake.wait(timeout=1)
+                free = self.max_batch - self.occupied()
+                self.joining.extend(self.waiting.popleft() for _ in range(min(free, len(self.waiting))))
+            self.drop_finished()
+            if self.joining:
+                job = self.joining[0]
                 self.guarded(job, self.prefill)
-            self.rows = [job for job in self.rows + joining if job.finish_reason is None and not job.cancelled]
-            if self.rows:
+                if job.cache is None or job.finish_reason is not None:  # its prompt is done (or it failed)
+                    self.joining.popleft()
+            self.drop_finished()
+            if self.rows or self.sliding:
                 self.step()
+            self.outbox.flush()
 
     def guarded(self, job, work):
         """work(job), where a failure ends that job (the client gets an error) and not the server."""
         try:
             work(job)
         except Exception as e:  # noqa: BLE001: one request's failure must not stop the others
-            job.finish_reason = "error"
+            job.finish_reason, job.cache = "error", None
             job.send(("error", f"{type(e).__name__}: {e}"))
+
+    def drop_finished(self):
+        """Frees the rows (and the joining places) of jobs that are done or whose client has gone."""
+        for i in reversed(range(len(self.rows))):
+            if self.rows[i].finish_reason is not None or self.rows[i].cancelled:
+                self.leave(i)
+        self.sliding = [job for job in self.sliding if job.finish_reason is None and not job.cancelled]
+        while self.joining and self.joining[0].cancelled:
+            self.joining.popleft().cache = None
+
+    def leave(self, i):
+        """Row i leaves the batch, whose last row takes its place."""
+        self.batch.remove(i)
+        last = self.rows.pop()
+        if i < len(self.rows):
+            self.rows[i] = last
+
+    def past_context(self, job):
+        """Whether the job's next step would pass the model's context (then it runs afresh each step)."""
+        limit = self.model.config.context_limit
+        return limit is not None and len(job.prompt) + len(job.tokens) > limit
 
     @torch.no_grad()
     def prefill(self, job):
-        """The prompt into a cache of its own, and the first token (or, with max_tokens 0, none)."""
-        if job.cancelled:
-            return
-        job.cache = self.model.new_cache()
-        prompt = torch.tensor([job.prompt], device=self.device)
+        """The next prefill_chunk tokens of the prompt into the job's cache; after the last, the first token
+        (or, with max_tokens 0, none) and the job joins the batch."""
+        if job.cache is None:
+            job.cache, job.prompt_logits = self.model.new_cache(), []
+        start = job.cache.length
+        end = min(len(job.prompt), start + self.prefill_chunk)
         want_prompt = job.echo and job.logprobs is not None
-        logits = self.model.forward_cached(prompt, job.cache, last=len(job.prompt) if want_prompt else 1)
+        chunk = torch.tensor([job.prompt[start:end]], device=self.device)
+        logits = self.model.forward_cached(chunk, job.cache, last=end - start if want_prompt else 1)
         if want_prompt:
-            job.scored_prompt(logits)
+            job.prompt_logits.append(logits)
+        if end < len(job.prompt):
+            return
+        if want_prompt:
+            job.scored_prompt(torch.cat(job.prompt_logits, dim=1))
+        cache, job.cache, job.prompt_logits = job.cache, None, None
         if job.max_tokens == 0:
             return job.finish("length")
         job.take(logits[:, -1])
+        if job.finish_reason is None:
+            if self.past_context(job):
+                self.sliding.append(job)
+            else:
+                self.batch.add(cache)
+                self.rows.append(job)
 
     @torch.no_grad()
     def step(self):
-        """One token for every row: the batched decode step, then each row's own sampling. A row whose text
-        has outgrown the model's context runs its last block_size tokens afresh instead, as generate()
-        and sample.py do past block_size (every cached key is stale there)."""
-        rows, limit = self.rows, self.model.config.context_limit
-        beyond = [limit is not None and len(job.prompt) + len(job.tokens) > limit for job in rows]
-        cached = [job for job, past in zip(rows, beyond) if not past]
+        """One token for every row: the batch's decode step (and, for rows whose text has outgrown the
+        model's context, their last block_size tokens afresh, as generate() and sample.py do past
+        block_size: every cached key is stale there), then one sampling call per setting."""
+        for i in reversed(range(len(self.rows))):
+            if self.past_context(self.rows[i]):
+                self.sliding.append(self.rows[i])
+                self.leave(i)
+        rows = self.rows + self.sliding
         try:
-            decoded = iter(self.model.decode_rows(torch.tensor([[job.tokens[-1]] for job in cached], device=self.device),
-                                                  [job.cache for job in cached]) if cached else ())
-            rows_logits = [self.slide(job) if past else next(decoded) for job, past in zip(rows, beyond)]
+            logits = []
+            if self.rows:
+                tokens = torch.tensor([[job.tokens[-1]] for job in self.rows], device=self.device)
+                logits.append(self.batch.step(tokens, [len(job.prompt) + len(job.tokens) - 1 for job in self.rows]))
+            logits.extend(self.slide(job)[None] for job in self.sliding)
+            logits = torch.cat(logits)
+            tokens = sample_rows(logits, [job.sampling for job in rows], [job.generator for job in rows]).tolist()
         except Exception as e:  # noqa: BLE001: (out of memory, say) these requests fail, the server goes on
             for job in rows:
                 job.finish_reason = "error"
                 job.send(("error", f"{type(e).__name__}: {e}"))
             return
         self.steps, self.widest = self.steps + 1, max(self.widest, len(rows))
-        for job, row in zip(rows, rows_logits):
-            self.guarded(job, lambda job: job.take(row[None]))
+        for job, token, row in zip(rows, tokens, logits):
+            self.guarded(job, lambda job: job.accept(token, row[None]))
 
     def slide(self, job):
         """The next logits of a row past the context: generate.next_logits's window, run afresh."""
-        job.cache = None  # stale from here on
         seq = torch.tensor([job.prompt + job.tokens], device=self.device)
         return next_logits(self.model, seq, seq.size(1))[0]
 
@@ -314,12 +398,12 @@ def parse_request(body, tokenizer, config):
 # The HTTP side (FastAPI), imported only here
 
 
-def make_app(model, tokenizer, c, name):
+def make_app(model, tokenizer, c, name, engine_thread=True):
     from fastapi import FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
 
     app = FastAPI(title="smallgpt", docs_url=None, redoc_url=None)
-    engine = app.state.engine = Engine(model, c.max_batch, c.max_queue)
+    engine = app.state.engine = Engine(model, c.max_batch, c.max_queue, c.prefill_chunk, thread=engine_thread)
     created = int(time.time())
     ids = itertools.count()
 
@@ -369,7 +453,7 @@ def make_app(model, tokenizer, c, name):
         seed = s["seed"] if s["seed"] is not None else torch.randint(2**31, ()).item()
         jobs = []
         for index, (prompt, j) in enumerate((p, j) for p in prompts for j in range(s["n"])):
-            send = lambda event, index=index: loop.call_soon_threadsafe(events.put_nowait, (index, event))  # noqa: E731
+            send = lambda event, index=index: engine.outbox.post(loop, events.put_nowait, (index, event))  # noqa: E731
             jobs.append(Job(prompt, s["max_tokens"], sampling, seed + j, s["stop"], s["logprobs"], s["echo"],
                             tokenizer, send, engine.device))
         try:
@@ -556,7 +640,7 @@ $("stop").onclick = () => controller && controller.abort();
 
 
 def serve(c):
-    for key, low in (("max_batch", 1), ("max_queue", 0), ("port", 0)):
+    for key, low in (("max_batch", 1), ("max_queue", 0), ("port", 0), ("prefill_chunk", 1)):
         if getattr(c, key) < low:
             raise ConfigError(f"{key}={getattr(c, key)} must be >= {low}")
     try:
@@ -568,11 +652,29 @@ def serve(c):
     model, tokenizer, _ = load_for(c)
     model = checked(for_inference, model.to(device=device), c.weights_dtype)
     name = c.model_name or (c.out_dir if c.init_from == "resume" else c.init_from).rstrip("/").split("/")[-1]
-    app = make_app(model, tokenizer, c, name)
+    app = make_app(model, tokenizer, c, name, engine_thread=False)
     print(precision_line(c.weights_dtype, device), file=sys.stderr)
     print(f"serving {name} on http://{c.host}:{c.port} (max_batch={c.max_batch}, max_queue={c.max_queue})",
           file=sys.stderr)
-    uvicorn.run(app, host=c.host, port=c.port, log_level="warning")
+    # The engine runs in the main thread, the HTTP server in another: once the main thread has run a
+    # parallel region (loading the model does), torch's CPU kernels called from any other thread run
+    # several times slower (OpenMP: a layer norm of 32 rows 8 us in the main thread, 75-85 us in another),
+    # which halved the decode speed of an engine in a thread of its own.
+    server = uvicorn.Server(uvicorn.Config(app, host=c.host, port=c.port, log_level="warning"))
+    http = threading.Thread(target=server.run, daemon=True, name="http")
+    signal.signal(signal.SIGTERM, stop_serving)
+    http.start()
+    try:
+        app.state.engine.run(lambda: not http.is_alive())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        http.join(timeout=10)
+
+
+def stop_serving(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM ends the engine's loop as Ctrl-C does; the HTTP thread then stops
 
 
 def main(argv=None):

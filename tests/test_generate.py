@@ -210,3 +210,56 @@ def test_a_kind_without_a_static_step_is_refused_in_one_line():
             generate.StaticDecode(build(pos_emb="rope", attn_pattern="QL"), Sampling())
     finally:
         del attention.KINDS["Q"]
+
+
+@pytest.mark.parametrize("case", [{}, dict(pos_emb="alibi"), dict(pos_emb="rope", attn_pattern="RS", attn_window=5),
+                                  "no static step"], ids=["learned", "alibi", "linear and window", "decode_rows"])
+def test_a_batch_of_rows_at_their_own_lengths_decodes_each_as_alone(case):
+    """generate.row_batch (a server's batch): rows of different lengths join, step together and leave (the
+    last row moving into the freed place); every step's logits of each row are its own cache's, alone."""
+    import attention
+
+    class Plain(attention.LinearAttention):  # no StaticCache: DynamicRows, decode_rows row by row
+        letter, description = "Q", "a test's linear attention without a static step"
+
+    if case == "no static step":
+        attention.register(Plain)
+        case = dict(pos_emb="rope", attn_pattern="Q")
+    try:
+        model = build(**case)
+        batch = generate.row_batch(model, max_rows=4)
+        assert isinstance(batch, generate.DynamicRows if "Q" in case.get("attn_pattern", "") else generate.BatchRows)
+        g = torch.Generator().manual_seed(0)
+        rows, worst, done = [], 0.0, 0
+        with torch.no_grad():
+            for n, steps in ((3, 6), (9, 14), (5, 4), (12, 9)):  # (prompt length, steps): they leave in turn
+                prompt = torch.randint(0, 61, (1, n), generator=g)
+                cache, alone = model.new_cache(), model.new_cache()
+                model.forward_cached(prompt, cache), model.forward_cached(prompt, alone)
+                batch.add(cache)
+                rows.append(dict(alone=alone, length=n, steps=steps))
+                if len(rows) == 2:  # one step before the last two join
+                    worst = max(worst, step_rows(model, batch, rows, g))
+            while rows:
+                worst = max(worst, step_rows(model, batch, rows, g))
+                for j in reversed(range(len(rows))):
+                    if rows[j]["steps"] == 0:
+                        done += 1
+                        batch.remove(j)
+                        last = rows.pop()
+                        if j < len(rows):
+                            rows[j] = last
+        assert done == 4 and worst < 1e-5
+    finally:
+        attention.KINDS.pop("Q", None)
+
+
+def step_rows(model, batch, rows, g):
+    """One batch step of random tokens, each row's logits against its own cache's: the largest difference."""
+    tokens = torch.randint(0, 61, (len(rows), 1), generator=g)
+    logits = batch.step(tokens, [r["length"] for r in rows])
+    worst = 0.0
+    for r, token, row in zip(rows, tokens, logits):
+        worst = max(worst, (model.forward_cached(token[None], r["alone"])[0, -1] - row).abs().max().item())
+        r["length"], r["steps"] = r["length"] + 1, r["steps"] - 1
+    return worst

@@ -1,6 +1,7 @@
 """
 Load and faults against serve.py: concurrent streaming clients with batching and one at a time, the queue
-limit, clients killed mid-stream, and a sweep of malformed requests. Starts the servers itself.
+limit, clients killed mid-stream, a sweep of malformed requests, and a prompt that fills the context
+arriving while 16 streams run. Starts the servers itself.
 
   python tools/serve_load.py --out_dir=out-shakespeare-char-cpu [--clients=32 --seconds=60 --max_tokens=64]
 
@@ -65,7 +66,11 @@ class ServeProcess:
 
     def stop(self):
         self.process.terminate()
-        self.process.wait(timeout=30)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
 
 
 def stream_one(port, prompt, max_tokens, timeout=300):
@@ -93,7 +98,7 @@ def stream_one(port, prompt, max_tokens, timeout=300):
     connection.close()
     if not done or len(times) != max_tokens:
         raise RuntimeError(f"{len(times)} tokens of {max_tokens}, done={done}")
-    return len(times), times[0] - start, [b - a for a, b in zip(times, times[1:])]
+    return len(times), times[0] - start, [b - a for a, b in zip(times, times[1:])], times
 
 
 def clients(port, n, seconds, max_tokens):
@@ -133,6 +138,37 @@ def clients(port, n, seconds, max_tokens):
             "token_ms_p50": pct(gaps, 0.5), "token_ms_p95": pct(gaps, 0.95)}
 
 
+def long_prompt(server, n, max_tokens):
+    """n clients stream while a request whose prompt fills the model's context arrives: the longest gap
+    between two tokens of a running stream while that prompt is prefilled, against the streams' p50."""
+    context = server.get("/v1/models")["data"][0]["max_model_len"]
+    streams, stop, lock = [], threading.Event(), threading.Lock()
+
+    def client(i):
+        while not stop.is_set():
+            times = stream_one(server.port, PROMPTS[i % len(PROMPTS)], max_tokens)[3]
+            with lock:
+                streams.append(times)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    time.sleep(5)  # every stream running
+    began = time.perf_counter()
+    status, _ = server.post({"prompt": ("To be, or not to be: that is the question. " * context)[:context], "max_tokens": 1})
+    ended = time.perf_counter()
+    time.sleep(3)
+    stop.set()
+    for t in threads:
+        t.join()
+    during = [b - a for times in streams for a, b in zip(times, times[1:]) if b > began and a < ended]
+    others = sorted(b - a for times in streams for a, b in zip(times, times[1:]) if b <= began or a >= ended)
+    p50 = others[len(others) // 2]
+    return {"streams": n, "prompt_tokens": context, "status": status, "prompt_seconds": ended - began,
+            "longest_gap_ms": max(during) * 1000, "streams_token_ms_p50": p50 * 1000,
+            "longest_gap_vs_p50": max(during) / p50}
+
+
 def killed_clients(server, n, max_tokens):
     """n streaming clients that vanish after their first chunk: rows freed, the next request at full speed."""
     sockets = []
@@ -153,7 +189,7 @@ def killed_clients(server, n, max_tokens):
             break
         time.sleep(0.05)
     freed = time.perf_counter() - start
-    tokens, first, gaps = stream_one(server.port, PROMPTS[0], max_tokens)
+    tokens, first, gaps, _ = stream_one(server.port, PROMPTS[0], max_tokens)
     return {"killed": n, "rows_left": running, "seconds_to_free": freed,
             "after_tokens_per_sec": (tokens - 1) / sum(gaps) if gaps else None}
 
@@ -224,6 +260,8 @@ def main():
                 print("killed", json.dumps(figures["killed"]), flush=True)
                 figures["malformed"] = malformed(server)
                 print("malformed", json.dumps(figures["malformed"]), flush=True)
+                figures["long_prompt"] = long_prompt(server, 16, a.max_tokens)
+                print("long_prompt", json.dumps(figures["long_prompt"]), flush=True)
         finally:
             server.stop()
     figures["batched_vs_one_at_a_time"] = figures["batched"]["tokens_per_sec"] / figures["one_at_a_time"]["tokens_per_sec"]
