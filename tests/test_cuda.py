@@ -195,3 +195,21 @@ def test_flex_attention_trains_as_sdpa_with_the_dense_mask(monkeypatch, case):
     assert calls and abs(flex_loss - dense_loss) < 1e-5
     for name, g in dense.items():
         assert (flex[name] - g).abs().max().item() < 1e-4 * max(1.0, g.abs().max().item()), name
+
+
+def test_compiled_static_decoding_of_windows_and_linear_layers_gives_the_eager_tokens():
+    """generate.StaticDecode under CUDA graphs (mode="reduce-overhead") for a window's ring and a linear
+    layer's sums, seeded sampling: the eager loop's tokens (on CPU, tests/test_generate.py checks every kind
+    uncompiled and tests/test_sample.py a full layer compiled; a compile there costs 15-20 s cold)."""
+    import generate
+    from conftest import build
+    from generate import Sampling
+
+    model = build(pos_emb="rope", attn_pattern="SR", n_layer=2, n_head=2, attn_window=4).cuda()
+    idx = torch.randint(0, 61, (3, 7), generator=torch.Generator().manual_seed(1)).cuda()
+    sampling = Sampling(temperature=0.8)
+    gens = lambda: [torch.Generator(device="cuda").manual_seed(10 + i) for i in range(3)]  # noqa: E731
+    eager = model.generate(idx, 20, sampling, generator=gens())
+    g = gens()
+    static = generate.generate(model, idx, 20, sampling, generator=g, step=generate.StaticDecode(model, sampling, g))
+    assert torch.equal(eager, static)

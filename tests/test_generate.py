@@ -187,16 +187,6 @@ def test_static_decode_step_gives_the_eager_loops_tokens(case):
         assert torch.equal(eager, static), sampling
 
 
-def test_compiled_static_decode_step_gives_the_eager_loops_tokens():
-    """Compiled with fullgraph=True (CPU: the default mode): a window's ring and a linear layer's sums
-    (a full layer's keys: tests/test_sample.py's --compile=True)."""
-    torch._dynamo.reset()
-    model = build(pos_emb="rope", attn_pattern="SR", n_layer=2, n_head=2, attn_window=4)
-    sampling = Sampling(temperature=0.8)  # (greedy differs only in pick's argmax)
-    eager, static = eager_and_static(model, sampling, 20, compile=True)
-    assert torch.equal(eager, static)
-
-
 def test_a_kind_without_a_static_step_is_refused_in_one_line():
     """StaticCache is never inherited: a subclass that changes the math has no compiled step until it writes one."""
     import attention
