@@ -20,30 +20,22 @@ def torchrun(out_dir, dataset, *extra):
 
 
 def test_ddp_and_fsdp_match_one_process(tmp_path, char_dataset):
-    single = run_script("train.py", *TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'single'}",
-                        "--max_iters=5", "--gradient_accumulation_steps=4")
-    assert single.returncode == 0, single.stderr[-3000:]
-    one = step_losses(tmp_path / "single")
-    # 2 processes x 2 accumulation steps each = 1 process x 4
-    ddp = torchrun(tmp_path / "ddp", char_dataset, "--gradient_accumulation_steps=4")
+    """2 processes x 2 accumulation steps each = 1 process x 4: FSDP2 with AdamW, and DDP with Muon, whose
+    Newton-Schulz each rank does for its share of the matrices and broadcasts (optim.Muon's shard)."""
+    def single(name, *extra):
+        result = run_script("train.py", *TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path / name}",
+                            "--max_iters=5", "--gradient_accumulation_steps=4", *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return step_losses(tmp_path / name)
+
+    muon = ["--optimizer=muon", "--learning_rate=1e-2"]
+    one, one_muon = single("single"), single("single_muon", *muon)
     fsdp = torchrun(tmp_path / "fsdp", char_dataset, "--gradient_accumulation_steps=4", "--fsdp=True")
-    assert len(one) == len(ddp) == len(fsdp) == 5
-    assert max(abs(a - b) for a, b in zip(one, ddp)) <= 1e-5
-    assert max(abs(a - b) for a, b in zip(ddp, fsdp)) <= 1e-5
-    assert one[0] != one[-1]  # it trained
-
-
-def test_ddp_with_muon_shared_out_over_ranks_matches_one_process(tmp_path, char_dataset):
-    """Under DDP each rank orthogonalises its share of Muon's matrices and broadcasts them (optim.Muon's
-    shard): the run trains as one process does."""
-    muon = ["--optimizer=muon", "--learning_rate=1e-2", "--gradient_accumulation_steps=4"]
-    single = run_script("train.py", *TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path / 'single'}",
-                        "--max_iters=5", *muon)
-    assert single.returncode == 0, single.stderr[-3000:]
-    one = step_losses(tmp_path / "single")
-    ddp = torchrun(tmp_path / "ddp", char_dataset, *muon)
-    assert len(one) == len(ddp) == 5 and one[0] != one[-1]
-    assert max(abs(a - b) for a, b in zip(one, ddp)) <= 1e-5
+    ddp = torchrun(tmp_path / "ddp", char_dataset, "--gradient_accumulation_steps=4", *muon)
+    assert len(one) == len(fsdp) == len(one_muon) == len(ddp) == 5
+    assert max(abs(a - b) for a, b in zip(one, fsdp)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(one_muon, ddp)) <= 1e-5
+    assert one[0] != one[-1] and one_muon[-1] != one[-1]  # both trained, differently
 
 
 def test_a_config_error_under_torchrun_is_in_its_failure_summary(tmp_path, char_dataset):
