@@ -163,6 +163,9 @@ def stream(model, idx, max_new_tokens, sampling=Sampling(), eos_token_id=None, u
 # the default mode on a CPU.
 
 
+STATIC_BACKEND = "inductor"  # torch.compile's backend for the step (tests trace it with "eager": no C++ to build)
+
+
 def decode_one_token(model, tokens, pos, caches, noise, sampling):
     return pick(model.decode_static(tokens, pos, caches), sampling, noise)
 
@@ -185,7 +188,8 @@ class StaticDecode:
         check_static(model)
         self.model, self.sampling, self.generator = model, sampling, generator
         mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
-        self.run = torch.compile(decode_one_token, fullgraph=True, dynamic=False, mode=mode) if compile else decode_one_token
+        self.run = (torch.compile(decode_one_token, fullgraph=True, dynamic=False, mode=mode, backend=STATIC_BACKEND)
+                    if compile else decode_one_token)
         self.caches = None
 
     def __call__(self, seq, length, end, cache):

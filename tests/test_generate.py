@@ -187,6 +187,17 @@ def test_static_decode_step_gives_the_eager_loops_tokens(case):
         assert torch.equal(eager, static), sampling
 
 
+def test_the_static_step_of_windows_and_linear_layers_traces_whole(monkeypatch):
+    """fullgraph=True: dynamo traces the step of a window's ring and a linear layer's sums without a break
+    (with its eager backend: inductor's C++ costs 15-20 s cold here; the GPU tier compiles it), and the
+    traced step draws the eager loop's tokens."""
+    monkeypatch.setattr(generate, "STATIC_BACKEND", "eager")
+    torch._dynamo.reset()
+    model = build(pos_emb="rope", attn_pattern="SR", n_layer=2, n_head=2, attn_window=4)
+    eager, static = eager_and_static(model, Sampling(temperature=0.8, top_p=0.9), 20, compile=True)
+    assert torch.equal(eager, static)
+
+
 def test_a_kind_without_a_static_step_is_refused_in_one_line():
     """StaticCache is never inherited: a subclass that changes the math has no compiled step until it writes one."""
     import attention

@@ -186,10 +186,15 @@ def test_a_long_or_past_the_context_run_says_so_before_it_starts(trained_run):
     assert len(sample.length_notes(SimpleNamespace(max_new_tokens=33, stream=False, num_samples=1), 1, config)) == 1
 
 
-def test_compile_true_samples_the_eager_text(trained_run):
-    """sample.py --compile=True (static caches, a compiled step): the same sampled text as without it."""
+def test_compile_true_samples_the_eager_text(trained_run, monkeypatch):
+    """sample.py --compile=True (static caches, a step traced whole: fullgraph=True): the same sampled text as
+    without it. Traced with dynamo's eager backend (inductor's C++ costs 15-20 s cold here; the GPU tier
+    and bench.py --compare=compiled run inductor)."""
     import torch
 
+    import generate
+
+    monkeypatch.setattr(generate, "STATIC_BACKEND", "eager")
     torch._dynamo.reset()
     args = ["sample.py", f"--out_dir={trained_run}", "--start=The king", "--num_samples=2", "--max_new_tokens=30",
             "--device=cpu"]
