@@ -110,7 +110,7 @@ KERNELS = {"sdpa": attention_sdpa, "explicit": attention_explicit}  # GPTConfig.
 # least) and Triton installed. Evaluation, prefills and decoding keep SDPA with the dense mask, so a
 # sample or a server never waits for a compile.
 FLEX_DEVICES = ("cuda",)  # torch 2.13 has no FlexAttention backward on CPU (tests add "cpu" for the forward)
-BLOCK_MASKS = {}  # (letter, window, T, device) -> its BlockMask, made once
+BLOCK_MASKS = {}  # (letter, the kind's config keys' values, T, device) -> its BlockMask, made once
 
 
 class FlexMask:
@@ -342,6 +342,10 @@ class StaticRows:
         """An empty cache of `rows` rows shaped as template's one."""
         return cls(*(getattr(template, name).new_zeros(rows, *getattr(template, name).shape[1:]) for name in cls.fields))
 
+    def grow(self, max_len):
+        """Room for max_len positions per row: a cache whose size is not the length's is itself."""
+        return self
+
 
 class StaticKV(StaticRows):
     """A full layer's keys and values for a compiled decode step: (B, H, max_len, D) from the start, row b
@@ -396,16 +400,13 @@ class FullAttention(Attention):
         return self.attend(q, k, v, mask, self.dropout if self.training else 0.0)
 
     def static_cache(self, cache, length, max_len):
-        k = cache.k.new_zeros(*cache.k.shape[:2], max_len, cache.k.size(3))
-        v = cache.v.new_zeros(k.shape)
-        k[:, :, :length], v[:, :, :length] = cache.k[:, :, :length], cache.v[:, :, :length]
-        return self.StaticCache(k, v)
+        return self.StaticCache(cache.k[:, :, :length], cache.v[:, :, :length]).grow(max_len)
 
     def step(self, q, k, v, gates, pos, cache, positions):
         """Every slot of the static cache, those after a row's position (or empty) masked off."""
         q, k = positions.rotate_at(q, k, pos)
         cache.write(pos, k, v)
-        seen = ((cache.key_pos >= 0) & (cache.key_pos <= pos[:, None]))[:, None, None]  # (B, 1, 1, K)
+        seen = ((cache.key_pos >= 0) & (cache.key_pos <= pos[:, None]))[:, None, None]  # (B, 1, 1, K): the bias's -inf
         bias = positions.bias_at(pos, cache.key_pos)
         return self.attend(q, cache.k, cache.v, seen if bias is None else bias.masked_fill(~seen, float("-inf")), 0.0)
 
@@ -439,12 +440,11 @@ class WindowKV:
         return 0 if self.k is None else self.k.nbytes + self.v.nbytes
 
 
-class StaticWindowKV(StaticKV):
+class StaticWindowKV(StaticRows):
     """A sliding-window layer's keys and values for a compiled decode step: a ring of `window` slots per
     row, position p in slot p % window; key_pos is each slot's position (-1: empty)."""
 
     fields = ("k", "v", "key_pos")
-    rows = StaticRows.rows  # the whole ring, whatever the length
 
     def __init__(self, k, v, key_pos):
         self.k, self.v, self.key_pos = k, v, key_pos
@@ -454,9 +454,6 @@ class StaticWindowKV(StaticKV):
         self.k[rows, :, slot] = k[:, :, 0]
         self.v[rows, :, slot] = v[:, :, 0]
         self.key_pos[rows, slot] = pos
-
-    def grow(self, max_len):
-        return self  # a ring of its window, whatever the length
 
 
 class SlidingWindowAttention(FullAttention):
@@ -550,9 +547,6 @@ class StaticLinearState(StaticRows):
 
     fields = ("S", "z")
 
-    def grow(self, max_len):
-        return self
-
     def __init__(self, S, z):
         self.S, self.z = S, z
 
@@ -592,11 +586,15 @@ class LinearAttention(Attention):
         """Its chunk's keys plus the head size (the state's d x d product)."""
         return min(seq_len, cls.chunk) + config.n_embd // config.n_head
 
-    def mix(self, q, k, v, gates, start, mask, cache, positions):
+    def features(self, q, k, v):
+        """phi(q) and phi(k) in fp32 (elu + 1 > 0), and keys and values repeated for every query head."""
         groups = self.n_head // self.n_kv_head
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return F.elu(q.float()) + 1, F.elu(k.float()) + 1, v
+
+    def mix(self, q, k, v, gates, start, mask, cache, positions):
         with torch.autocast(q.device.type, enabled=False):
-            q, k = F.elu(q.float()) + 1, F.elu(k.float()) + 1
+            q, k, v = self.features(q, k, v)
             rq, rk = positions.rotate(q, k, start)  # unchanged unless pos_emb='rope'
             state = None if cache is None else cache.state
             ys = []
@@ -614,10 +612,8 @@ class LinearAttention(Attention):
 
     def step(self, q, k, v, gates, pos, cache, positions):
         """The recurrence of linear_attention_chunk's decoded token, its sums updated in place."""
-        groups = self.n_head // self.n_kv_head
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         with torch.autocast(q.device.type, enabled=False):
-            q, k = F.elu(q.float()) + 1, F.elu(k.float()) + 1
+            q, k, v = self.features(q, k, v)
             rq, rk = positions.rotate_at(q, k, pos)
             y, (S, z) = linear_attention_chunk(q, k, rq, rk, v.float(), (cache.S, cache.z))
             cache.S.copy_(S)

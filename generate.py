@@ -170,9 +170,14 @@ def decode_one_token(model, tokens, pos, caches, noise, sampling):
     return pick(model.decode_static(tokens, pos, caches), sampling, noise)
 
 
+def without_static_step(model):
+    """The model's kinds that have no StaticCache (attention.py), sorted."""
+    return sorted({kind for kind in model.config.layer_kinds if attention.KINDS[kind].StaticCache is None})
+
+
 def check_static(model):
     """ValueError naming the kinds that have no compiled decode step (attention.py's StaticCache)."""
-    missing = sorted({kind for kind in model.config.layer_kinds if attention.KINDS[kind].StaticCache is None})
+    missing = without_static_step(model)
     if missing:
         raise ValueError(f"compile=True decodes through each layer's static cache; {attention.named(missing)} "
                          "layers have none (StaticCache in attention.py): use compile=False")
@@ -203,8 +208,9 @@ class StaticDecode:
             self.caches = [block.attn.static_cache(layer, cache.length, max_len)
                            for block, layer in zip(self.model.blocks, cache.layers)]
             if seq.device.type == "cuda":  # CUDA graphs replay on fixed addresses: the caches are updated in place
-                for tensor in (t for c in self.caches for t in vars(c).values() if isinstance(t, torch.Tensor)):
-                    torch._dynamo.mark_static_address(tensor)
+                for c in self.caches:
+                    for name in c.fields:
+                        torch._dynamo.mark_static_address(getattr(c, name))
         B = seq.size(0)
         pos = torch.full((B,), length - 1, dtype=torch.long, device=seq.device)
         noise = None if self.sampling.temperature == 0 else race_noise((B, self.model.config.vocab_size), seq.device, self.generator)
@@ -254,9 +260,9 @@ class BatchRows:
 
     def add(self, cache):
         """A prefilled sequence (its dynamic KVCache) joins; returns its row."""
-        self.reserve(cache.length + 1)
         if self.layers is None:
             self.capacity = self.fit(cache.length + 1)
+        self.reserve(cache.length + 1)
         rows = [block.attn.static_cache(layer, cache.length, self.capacity) for block, layer in zip(self.model.blocks, cache.layers)]
         if self.layers is None:
             self.layers = [type(row).batch(row, self.max_rows) for row in rows]
@@ -303,5 +309,4 @@ class DynamicRows:
 
 def row_batch(model, max_rows):
     """The batch a server decodes its requests in: BatchRows where every layer's kind has a StaticCache."""
-    static = all(attention.KINDS[kind].StaticCache is not None for kind in model.config.layer_kinds)
-    return (BatchRows if static else DynamicRows)(model, max_rows)
+    return (DynamicRows if without_static_step(model) else BatchRows)(model, max_rows)

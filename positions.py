@@ -10,7 +10,8 @@ scheme needs a branch anywhere else:
                                  T queries and keys from position 0 (the mask hides later keys), or None
 and, for a compiled decode step where each row has its own position (a tensor pos of shape (B,)):
   embed_at(x, pos), rotate_at(q, k, pos), bias_at(pos, key_pos): the same for one token per row, the bias
-                                 (B, n_head, 1, K) for keys at key_pos (B, K), -inf on later or empty (-1) keys
+                                 (B, n_head, 1, K) for keys at key_pos (B, K) (the caller hides later and
+                                 empty (-1) keys, whatever bias they get)
 Absolute: learned (GPT-2), sinusoidal (Vaswani et al.). Relative: rope (Su et al., with linear or YaRN
 scaling for contexts past the trained one), alibi (Press et al.), t5 (Raffel et al.), none (NoPE).
 """
@@ -166,8 +167,7 @@ class ALiBiPositions(NoPositions):
 
     def bias_at(self, pos, key_pos):
         distance = pos[:, None] - key_pos  # (B, K)
-        bias = -self.slopes.float()[None, :, None] * distance[:, None, :]
-        return bias.masked_fill(((distance < 0) | (key_pos < 0))[:, None, :], float("-inf"))[:, :, None]
+        return (-self.slopes.float()[None, :, None] * distance[:, None, :])[:, :, None]
 
     def score_mod(self, T):
         slopes = self.slopes.float()
@@ -214,7 +214,7 @@ class T5Positions(NoPositions):
     def bias_at(self, pos, key_pos):
         distance = pos[:, None] - key_pos  # (B, K)
         bias = self.bias(t5_bucket(distance.clamp_min(0), self.n_buckets, self.max_distance)).permute(0, 2, 1)
-        return bias.float().masked_fill(((distance < 0) | (key_pos < 0))[:, None, :], float("-inf"))[:, :, None]
+        return bias.float()[:, :, None]
 
     def score_mod(self, T):
         table = self.bias.weight.float()  # (buckets, n_head), read inside the kernel: its gradient flows from there
