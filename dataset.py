@@ -379,6 +379,8 @@ def describe_meta(meta):
     """A tokenizer's description in a few words (its meta dict can hold a whole tokenizer.json)."""
     import hashlib
 
+    if meta.get("kind") == "chat":
+        return f"{describe_meta(meta['base'])} + the chat template's {len(CHAT_TOKENS)} tokens"
     if meta.get("kind") == "char":
         chars = meta["chars"]
         return f"{len(chars)} characters {chars[:40]!r}" + ("..." if len(chars) > 40 else "")
@@ -400,6 +402,8 @@ def same_tokenizer(a, b):
 
 
 def tokenizer_from_meta(meta):
+    if meta.get("kind") == "chat":
+        return ChatTokenizer(tokenizer_from_meta(meta["base"]))
     if meta.get("kind") == "char":
         return CharTokenizer(meta["chars"])
     if meta.get("kind") == "tiktoken":
@@ -407,6 +411,206 @@ def tokenizer_from_meta(meta):
     if meta.get("kind") == "bpe":
         return BPETokenizer(meta["json"])
     raise DataError(f"unknown tokenizer {meta!r}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Conversations: the chat template, its tokenizer, and chat datasets (data/prepare.py chats.jsonl ...)
+
+ROLES = ("system", "user", "assistant")
+CHAT_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # a turn: <|role|>content<|end|>
+# The same template in Jinja, as transformers' apply_chat_template renders it (export.py writes it)
+CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+                 "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+class ChatTokenizer:
+    """A base tokenizer (characters, our BPE, a tiktoken encoding) plus the chat template's four special
+    tokens, at ids base.vocab_size + 0..3. Text never encodes to them (a user who types "<|user|>" gets
+    its characters): only render() places them, so a message cannot forge a turn."""
+
+    def __init__(self, base):
+        if isinstance(base, ChatTokenizer):
+            base = base.base
+        self.base = base
+        self.special = {t: base.vocab_size + i for i, t in enumerate(CHAT_TOKENS)}
+        self.names = {i: t for t, i in self.special.items()}
+        self.vocab_size = base.vocab_size + len(CHAT_TOKENS)
+        self.eot_token = base.eot_token
+        self.end_token = self.special["<|end|>"]  # where a reply ends: generation stops there
+
+    def encode(self, text):
+        return self.base.encode(text)
+
+    def decode(self, ids):
+        """Base ids decoded in runs (a multi-byte character may span tokens); special ids as their names."""
+        out, run = [], []
+        for i in ids:
+            if i in self.names:
+                out += [self.base.decode(run), self.names[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(out) + self.base.decode(run)
+
+    def token_bytes(self):
+        return self.base.token_bytes() + [0] * len(CHAT_TOKENS)
+
+    def meta(self):
+        return {"kind": "chat", "base": self.base.meta()}
+
+    def render(self, messages, add_generation_prompt=False):
+        """(ids, trained) for a checked conversation: trained[i] is 1 where ids[i] is an assistant's content
+        or the <|end|> closing its turn (what supervised fine-tuning learns), 0 for everything else (system
+        and user turns, the role tokens). add_generation_prompt: <|assistant|> after it, a reply's start."""
+        ids, trained = [], []
+        for m in messages:
+            content = self.encode(m["content"])
+            learn = int(m["role"] == "assistant")
+            ids += [self.special[f"<|{m['role']}|>"], *content, self.end_token]
+            trained += [0] + [learn] * (len(content) + 1)
+        if add_generation_prompt:
+            ids.append(self.special["<|assistant|>"])
+            trained.append(0)
+        return ids, trained
+
+
+def chat_tokenizer(tokenizer):
+    """The tokenizer as a ChatTokenizer, or a DataError: a base model's tokenizer has no chat template."""
+    if isinstance(tokenizer, ChatTokenizer):
+        return tokenizer
+    raise DataError(f"this model's tokenizer ({describe_tokenizer(tokenizer)}) has no chat template: it is a base "
+                    "model; fine-tune it on conversations first (docs/guide.md: Chat)")
+
+
+def check_messages(messages, where="messages"):
+    """The conversation as a list of {"role", "content"} dicts, checked; a DataError names the first bad
+    field (messages[2].role, ...). Extra keys (name, ...) are ignored."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: expected a non-empty list of {{'role', 'content'}} objects")
+    out = []
+    for i, m in enumerate(messages):
+        field = f"{where}[{i}]"
+        if not isinstance(m, dict):
+            raise DataError(f"{field}: expected an object with 'role' and 'content', got {type(m).__name__}")
+        if m.get("role") not in ROLES:
+            raise DataError(f"{field}.role: {m.get('role')!r} is not one of {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise DataError(f"{field}.content: expected a string, got {type(m.get('content')).__name__}")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def read_conversations(path):
+    """The conversations of a JSON-lines file, one {"messages": [...]} per line (blank lines skipped); a
+    DataError names the line and the field."""
+    conversations = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{path}:{n}: not JSON ({e.msg})") from None
+                if not isinstance(record, dict) or "messages" not in record:
+                    raise DataError(f"{path}:{n}: expected an object with a 'messages' list")
+                conversations.append(check_messages(record["messages"], f"{path}:{n}: messages"))
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    return conversations
+
+
+def prepare_conversations(conversations, tokenizer, out_dir, val_fraction=0.1):
+    """Writes a chat dataset: per split, {split}.bin (the rendered conversations back to back),
+    {split}_mask.bin (1 where a token is trained) and {split}_starts.npy (where each conversation begins,
+    then the end); meta.json's "chat" says how many and how long. The last val_fraction of the
+    conversations (at least one) are val. A conversation without an assistant turn trains nothing: refused."""
+    tokenizer = ChatTokenizer(tokenizer)
+    if len(conversations) < 2:
+        raise DataError(f"{len(conversations)} conversation(s): a chat dataset needs at least 2 (train and val)")
+    for n, messages in enumerate(conversations):
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"conversation {n}: no assistant turn, so nothing in it would be trained")
+    if not 0.0 < val_fraction < 1.0:
+        raise DataError(f"val_fraction={val_fraction} must be in (0, 1)")
+    n_val = max(1, round(len(conversations) * val_fraction))
+    os.makedirs(out_dir, exist_ok=True)
+    counts, stats = {}, {}
+    for split, part in (("train", conversations[:-n_val]), ("val", conversations[-n_val:])):
+        rendered = [tokenizer.render(m) for m in part]
+        lengths = np.array([len(ids) for ids, _ in rendered], dtype=np.int64)
+        ids = np.concatenate([np.array(i, dtype=np.int64) for i, _ in rendered])
+        trained = np.concatenate([np.array(t, dtype=np.int64) for _, t in rendered])
+        write_tokens(os.path.join(out_dir, f"{split}.bin"), ids, tokenizer.vocab_size)
+        write_tokens(os.path.join(out_dir, f"{split}_mask.bin"), trained, 2)
+        starts = np.concatenate([[0], np.cumsum(lengths)])
+        atomic_write(os.path.join(out_dir, f"{split}_starts.npy"), lambda f: np.save(f, starts))
+        counts[split] = int(ids.size)
+        stats[split] = {"conversations": len(part), "trained_tokens": int(trained.sum()), "longest": int(lengths.max()),
+                        "median_length": int(np.median(lengths))}
+    write_meta(out_dir, tokenizer, counts, chat=stats)
+    return stats
+
+
+class ConversationSampler:
+    """A chat dataset's batches: whole conversations, one per row, drawn uniformly from a seeded generator
+    (its state goes into checkpoints, as BatchSampler's). Rows are padded (not packed) to the batch's
+    longest conversation, rounded up to a multiple of 64 so a compiled model meets few shapes: each row
+    starts at position 0 as a chat does at inference, and no row attends to another conversation. Targets
+    are -1 where nothing is trained (system and user turns, the role tokens, the padding). A conversation
+    longer than block_size + 1 tokens is cut there (train.py says how many are); one with nothing left to
+    train after the cut is never drawn."""
+
+    PAD_TO = 64
+
+    def __init__(self, data_dir, split, block_size, seed, vocab_size):
+        paths = [os.path.join(data_dir, f"{split}{end}") for end in (".bin", "_mask.bin", "_starts.npy")]
+        missing = [p for p in paths if not os.path.exists(p)]
+        if missing:
+            raise DataError(f"{missing[0]}: missing; prepare the chat dataset again (python data/prepare.py CHATS.jsonl ...)")
+        self.tokens, self.mask = open_split(data_dir, split, vocab_size)[0], TokenFile(paths[1])
+        starts = np.load(paths[2])
+        if starts[-1] != self.tokens.n_tokens or self.mask.n_tokens != self.tokens.n_tokens:
+            raise DataError(f"{data_dir}: {split}'s tokens, mask and starts disagree; prepare the chat dataset again")
+        self.block_size = block_size
+        lengths = np.diff(starts)
+        self.longer = int((lengths > block_size + 1).sum())  # conversations cut at block_size + 1 tokens
+        kept = [(int(s), int(min(n, block_size + 1))) for s, n in zip(starts[:-1], lengths)]
+        self.convs = [(s, n) for s, n in kept if self.mask.tokens[s + 1 : s + n].any()]
+        self.dropped = len(kept) - len(self.convs)  # nothing trained within block_size + 1 tokens
+        if not self.convs:
+            raise DataError(f"{data_dir}: no {split} conversation has a trained token within block_size + 1 = "
+                            f"{block_size + 1} tokens; use a larger block_size")
+        self.n_conversations = len(kept)
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def sample(self, n, rows=slice(None)):
+        """n conversations -> (x, y), each (n', width) int64 for the rows asked for (as BatchSampler.sample:
+        every process draws all n and reads its own)."""
+        picks = torch.randint(len(self.convs), (n,), generator=self.generator).numpy()[rows]
+        convs = [self.convs[p] for p in picks]
+        width = min(self.block_size, -(-max(length - 1 for _, length in convs) // self.PAD_TO) * self.PAD_TO)
+        x = torch.zeros(len(convs), width, dtype=torch.long)
+        y = torch.full((len(convs), width), -1, dtype=torch.long)
+        for r, (start, length) in enumerate(convs):
+            ids = torch.from_numpy(self.tokens.window(start, length))
+            trained = torch.from_numpy(self.mask.window(start, length)).bool()
+            x[r, : length - 1] = ids[:-1]
+            y[r, : length - 1] = ids[1:].masked_fill(~trained[1:], -1)
+        return x, y
+
+    def state_dict(self):
+        return self.generator.get_state()
+
+    def load_state_dict(self, state):
+        self.generator.set_state(state)
+
+
+def is_chat_dataset(meta):
+    return "chat" in meta
 
 
 def char_tokenizer_for(text):

@@ -213,6 +213,12 @@ class Dist:
             tensor /= self.size
         return tensor
 
+    def sum(self, tensor):
+        if self.enabled:
+            tensor = tensor.clone()
+            dist.all_reduce(tensor)
+        return tensor
+
     def any(self, flag, device):
         if not self.enabled:
             return flag

@@ -249,20 +249,26 @@ class Block(nn.Module):
 # Model
 
 
-def lm_loss(logits, targets, z_loss=0.0, label_smoothing=0.0):
+def lm_loss(logits, targets, z_loss=0.0, label_smoothing=0.0, normalizer=None):
     """Returns (loss, cross_entropy): the mean cross-entropy over targets != -1, against targets smoothed
     by label_smoothing (1 - e on the target, e spread evenly over the vocabulary: Szegedy et al. 2016, the
     2017 transformer's 0.1), plus z_loss * mean(logsumexp(logits)^2) (PaLM's auxiliary loss, which keeps
-    log Z near 0). cross_entropy is always the plain one: what evaluation and bits per byte report."""
+    log Z near 0). cross_entropy is always the plain one: what evaluation and bits per byte report.
+    normalizer: the sums over targets divided by it instead of by their count (supervised fine-tuning: the
+    mean count of trained targets per micro-batch over the whole step, so each trained token weighs the
+    same whichever micro-batch holds it, and a micro-batch with none gives 0 and no gradient, not NaN)."""
     logits = logits.view(-1, logits.size(-1)).float()
     targets = targets.reshape(-1)
     if not label_smoothing and not z_loss:
+        if normalizer is not None:
+            ce = F.cross_entropy(logits, targets, ignore_index=-1, reduction="sum") / normalizer
+            return ce, ce
         ce = F.cross_entropy(logits, targets, ignore_index=-1)
         return ce, ce
     # one log Z per position for all three terms (two F.cross_entropy calls would log-softmax the whole
     # vocabulary twice); masks, not logits[keep]: no host sync, no copy of the logits
     keep = (targets != -1).to(logits.dtype)
-    n = keep.sum()
+    n = keep.sum() if normalizer is None else normalizer
     log_z = torch.logsumexp(logits, dim=-1)
     nll = log_z - logits.gather(1, targets.clamp_min(0)[:, None])[:, 0]  # -log p(target)
     ce = (nll * keep).sum() / n
@@ -324,6 +330,25 @@ class GPT(nn.Module):
         self.positions = positions
         return self
 
+    def add_tokens(self, base_vocab, ids):
+        """Makes room for new tokens (the chat template's), in place: the token table and an untied head grow
+        to hold ids if they are smaller, and rows ids (new, or padding rows no input ever trained) start at
+        the mean of the first base_vocab rows, the tokenizer's own (Hewitt 2021; transformers'
+        resize_token_embeddings does the same): a new token's logit starts near an average token's, not at
+        a random row's, and its embedding inside what the blocks have learned to read."""
+        size = max(self.config.vocab_size, max(ids) + 1)
+        rows = torch.tensor(ids)
+        for module in (self.tok_emb, *([] if self.config.tie_embeddings else [self.lm_head])):
+            old = module.weight.detach()
+            weight = torch.cat([old, old.new_zeros(size - old.size(0), old.size(1))])
+            weight[rows] = old[:base_vocab].mean(dim=0)
+            module.weight = nn.Parameter(weight)
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.tok_emb.num_embeddings, self.lm_head.out_features = size, size
+        self.config = replace(self.config, vocab_size=size)
+        return self
+
     def get_num_params(self, non_embedding=False):
         """Unique parameters (a tied head counts once). non_embedding drops the position table and, when
         the head is untied, the token table (lookups, not matmuls)."""
@@ -335,15 +360,16 @@ class GPT(nn.Module):
                 n -= self.tok_emb.weight.numel()
         return n
 
-    def forward(self, idx, targets=None, kv_cache=None, with_ce=False):
+    def forward(self, idx, targets=None, kv_cache=None, with_ce=False, normalizer=None):
         """idx (B, T) -> (logits (B, T, vocab), loss or None). With kv_cache, idx continues the cached
         sequence at position kv_cache.length. with_ce: the loss is lm_loss's (loss, cross_entropy), which
-        train.py takes from here so the loss runs inside the compiled forward (nanoGPT's way), not after it."""
+        train.py takes from here so the loss runs inside the compiled forward (nanoGPT's way), not after it.
+        normalizer: lm_loss's (fine-tuning on conversations)."""
         x = self.hidden_states(idx, kv_cache)
         logits = self.lm_head(x)
         if targets is None:
             return logits, None
-        losses = lm_loss(logits, targets, self.config.z_loss, self.config.label_smoothing)
+        losses = lm_loss(logits, targets, self.config.z_loss, self.config.label_smoothing, normalizer)
         return logits, losses if with_ce else losses[0]
 
     def hidden_states(self, idx, kv_cache=None):

@@ -23,7 +23,8 @@ import torch
 
 from checkpoint import CHECKPOINT, METRICS, ContextKeys, RunLock, RunState, load_checkpoint, tokens_per_step
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
-from dataset import BatchSampler, DataError, describe_meta, open_split, read_meta, resolve_dataset, tokenizer_from_meta
+from dataset import (CHAT_TOKENS, BatchSampler, ConversationSampler, DataError, describe_meta, is_chat_dataset, open_split,
+                     read_meta, resolve_dataset, tokenizer_from_meta)
 from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
 from device import autocast as autocast_for
 from hf import uses_gpt2_tokenizer
@@ -274,13 +275,21 @@ class Run:
                             f"the model's vocab_size={config.vocab_size}")
         self.train_config = c = replace(c, **asdict(config))  # what actually runs, recorded in the checkpoint
         torch.manual_seed(c.seed + world.rank)  # then a dropout stream of its own per process
-        splits = {s: open_split(data_dir, s, self.data_meta["vocab_size"]) for s in ("train", "val")}
-        self.train_batches = BatchSampler(splits["train"], config.block_size, seed=c.seed)
+        self.chat = is_chat_dataset(self.data_meta)  # conversations: trained where the mask says (ConversationSampler)
+        if self.chat:
+            def sampler(split, seed):
+                return ConversationSampler(data_dir, split, config.block_size, seed, self.data_meta["vocab_size"])
+            self.train_batches = sampler("train", c.seed)
+            self.notes += conversation_notes(self.train_batches, config.block_size)
+            self.eval_batches = {s: sampler(s, 0) for s in ("train", "val")}
+        else:
+            splits = {s: open_split(data_dir, s, self.data_meta["vocab_size"]) for s in ("train", "val")}
+            self.train_batches = BatchSampler(splits["train"], config.block_size, seed=c.seed)
+            self.eval_batches = {s: BatchSampler(files, config.block_size, seed=0) for s, files in splits.items()}
         try:  # UTF-8 bytes per token id, for val bits per byte; None where the tokenizer cannot load
             self.token_bytes = torch.tensor(tokenizer_from_meta(self.data_meta["tokenizer"]).token_bytes())
         except DataError:
             self.token_bytes = None
-        self.eval_batches = {s: BatchSampler(files, config.block_size, seed=0) for s, files in splits.items()}
 
         # Full weights (a checkpoint's were loaded by build_model) before sharding; FSDP2 then shards them in
         # place, and the optimizer must see the sharded parameters.
@@ -340,23 +349,25 @@ class Run:
         for i, (split, sampler) in enumerate(self.eval_batches.items()):
             sampler.generator.manual_seed(c.seed + 1 + i)
             total = torch.zeros((), device=self.device)
-            n_bytes = 0  # of every batch (each process draws them all): no collective needed
+            n_bytes = n_trained = 0  # of every batch (each process draws them all): no collective needed
             for k in range(c.eval_iters):
                 if stop.signum is not None and not world.enabled:  # under torchrun: after the evaluation
                     self.model.train()
                     return None
                 x, y = sampler.sample(c.batch_size)
                 if self.token_bytes is not None:
-                    n_bytes += int(self.token_bytes[y].sum())
+                    n_bytes += int((self.token_bytes[y.clamp_min(0)] * (y != -1)).sum())
+                n_trained += int((y != -1).sum())
                 if k % world.size != world.rank:
                     continue
                 with self.autocast:
                     logits, _ = self.model(self.to_device(x))
-                total += lm_loss(logits, self.to_device(y))[1].float()
-            result[split] = (world.mean(total) * world.size / c.eval_iters).item()
+                # conversations: summed over the trained targets, then divided by their count over all batches
+                total += lm_loss(logits, self.to_device(y), normalizer=1 if self.chat else None)[1].float()
+            mean = n_trained if self.chat else c.eval_iters
+            result[split] = (world.mean(total) * world.size / mean).item()
             if split == "val" and n_bytes:  # bits per byte: comparable across tokenizers
-                tokens = c.eval_iters * c.batch_size * self.model_config.block_size
-                result["val_bpb"] = result["val"] * tokens / math.log(2) / n_bytes
+                result["val_bpb"] = result["val"] * n_trained / math.log(2) / n_bytes
         if c.log_stability:  # on one val batch: the instabilities' two symptoms
             x, _ = self.eval_batches["val"].sample(c.batch_size)
             with recording(self.raw_model, weights=False) as records, self.autocast:
@@ -381,6 +392,10 @@ class Run:
                 group["lr"] = lr
         mine = slice(world.rank * micro_steps * c.batch_size, (world.rank + 1) * micro_steps * c.batch_size)
         x_mine, y_mine = self.train_batches.sample(c.gradient_accumulation_steps * c.batch_size, mine)
+        normalizer = None  # conversations: each micro-batch's summed loss over the step's mean count of trained targets
+        if self.chat:
+            trained = world.sum((y_mine != -1).sum().to(self.device, torch.float32))
+            normalizer = trained.clamp_min(1) / (micro_steps * world.size)
         loss_sum = torch.zeros((), device=self.device)
         ce_sum = torch.zeros((), device=self.device)
         for micro in range(micro_steps):
@@ -388,7 +403,7 @@ class Run:
             x, y = self.to_device(x_mine[rows]), self.to_device(y_mine[rows])
             with self.grad_sync(micro == micro_steps - 1):
                 with self.autocast:
-                    _, (loss, ce) = self.model(x, y, with_ce=True)  # the loss inside the compiled graph
+                    _, (loss, ce) = self.model(x, y, with_ce=True, normalizer=normalizer)  # the loss inside the compiled graph
                 self.scaler.scale(loss / micro_steps).backward()
             loss_sum += loss.detach()
             ce_sum += ce.detach()
@@ -409,6 +424,17 @@ class Run:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
         return loss_sum, ce_sum, grad_norm, first_bad, skipped
+
+
+def conversation_notes(sampler, block_size):
+    """What train.py says about a chat dataset's conversations that do not fit in block_size + 1 tokens."""
+    notes = []
+    if sampler.longer:
+        notes.append(f"note: {sampler.longer:,} of {sampler.n_conversations:,} training conversations are longer than "
+                     f"block_size + 1 = {block_size + 1} tokens: each is cut there and its later tokens are not trained")
+    if sampler.dropped:
+        notes.append(f"note: {sampler.dropped:,} of them have no trained token before the cut and are left out")
+    return notes
 
 
 class NonFinite(RuntimeError):
@@ -491,7 +517,25 @@ CONTEXT_KEYS = [f.name for f in fields(ContextKeys)]  # what a resumed run may c
 
 
 def build_model(c, explicit, data_meta, ckpt, notes):
-    """The model for init_from (with a checkpoint's weights), checked against the dataset's tokenizer."""
+    """The model for init_from (with a checkpoint's weights), checked against the dataset's tokenizer. A
+    base model fine-tuned on a chat dataset of its own tokenizer gains the chat tokens (GPT.add_tokens)."""
+    model, source = load_model_for(c, explicit, data_meta, ckpt, notes)
+    tokenizer = data_meta["tokenizer"]
+    if tokenizer.get("kind") == "chat" and source != tokenizer:
+        base = data_meta["vocab_size"] - len(CHAT_TOKENS)
+        model.add_tokens(base, list(range(base, base + len(CHAT_TOKENS))))
+        notes.append(f"note: the chat template's {len(CHAT_TOKENS)} tokens are ids {base}-{base + len(CHAT_TOKENS) - 1}, their "
+                     f"rows (embedding{'' if model.config.tie_embeddings else ' and head'}) set to the mean of the "
+                     f"{base} base tokens' rows; vocab_size is {model.config.vocab_size}")
+    return model
+
+
+def base_of(tokenizer):
+    """A chat dataset's base tokenizer (the one a base model was trained with), else the tokenizer itself."""
+    return tokenizer["base"] if tokenizer.get("kind") == "chat" else tokenizer
+
+
+def load_model_for(c, explicit, data_meta, ckpt, notes):
     tokenizer = data_meta["tokenizer"]
     if ckpt is not None:
         saved = asdict(GPTConfig(**ckpt["model_config"]))  # completed: checkpoints from before a key existed
@@ -512,24 +556,26 @@ def build_model(c, explicit, data_meta, ckpt, notes):
             notes.append("note: resuming at " + ", ".join(f"{k}={v!r}" for k, v in changed.items()) + " (the checkpoint "
                          "had " + ", ".join(f"{k}={saved[k]!r}" for k in changed) + "); the model was trained at "
                          f"block_size={model.config.trained_block_size}")
-        return model
+        return model, ckpt["tokenizer"]
     if c.init_from == "scratch":
         vocab_size = c.vocab_size if "vocab_size" in explicit else data_meta["vocab_size"]
-        return GPT(checked(model_config, replace(c, vocab_size=vocab_size)))
+        return GPT(checked(model_config, replace(c, vocab_size=vocab_size))), tokenizer
     overridden = [k for k in explicit if k in MODEL_KEYS and k != "dropout"]
     if overridden:
         raise ConfigError(f"init_from={c.init_from}: the pretrained model fixes {', '.join(overridden)}; "
                           "drop those keys (only dropout can change)")
     run_ckpt = os.path.join(c.init_from, CHECKPOINT)  # another run's folder: its weights, a fine-tune's start
     if os.path.exists(run_ckpt):
-        if load_checkpoint(run_ckpt, mmap=True)["tokenizer"] != tokenizer:
+        source = load_checkpoint(run_ckpt, mmap=True)["tokenizer"]
+        if source not in (tokenizer, base_of(tokenizer)):
             raise DataError(f"init_from={c.init_from} was trained with another tokenizer than dataset {c.dataset!r}'s; "
-                            "fine-tune it on a dataset prepared with its tokenizer")
-        return GPT.from_pretrained(c.init_from, dropout=c.dropout)
+                            "fine-tune it on a dataset prepared with its tokenizer (conversations: data/prepare.py "
+                            f"--tokenizer_from={c.init_from})")
+        return GPT.from_pretrained(c.init_from, dropout=c.dropout), source
     model = GPT.from_pretrained(c.init_from, dropout=c.dropout)
-    if uses_gpt2_tokenizer(model.config) and tokenizer != {"kind": "tiktoken", "encoding": "gpt2"}:
+    if uses_gpt2_tokenizer(model.config) and base_of(tokenizer) != {"kind": "tiktoken", "encoding": "gpt2"}:
         raise DataError(f"GPT-2 weights need a dataset tokenized with tiktoken gpt2; {c.dataset!r} uses {describe_meta(tokenizer)}")
-    return model
+    return model, base_of(tokenizer)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,203 @@
+"""Conversations: the chat template and its loss mask, supervised fine-tuning through train.py, chat.py."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import WORDS, build, one_error_line, read_metrics, run_main
+
+from dataset import CHAT_TOKENS, CharTokenizer, ChatTokenizer, ConversationSampler, read_meta, tokenizer_from_meta
+from model import lm_loss
+
+SFT_RUN = ["--batch_size=4", "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3",
+           "--dtype=float32", "--device=cpu"]  # fmt: skip  (TINY_RUN's keys that a fine-tune may set)
+
+
+def conversations(n, seed=0):
+    """The user's turn is random words (noise no model can predict); the assistant repeats its first word.
+    Every third has a system turn, every fourth a second exchange."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        def exchange():
+            words = [rng.choice(WORDS) for _ in range(rng.randint(1, 3))]
+            return [{"role": "user", "content": " ".join(words)}, {"role": "assistant", "content": words[0]}]
+        messages = ([{"role": "system", "content": "be brief"}] if i % 3 == 0 else []) + exchange()
+        if i % 4 == 0:
+            messages += exchange()
+        out.append({"messages": messages})
+    return out
+
+
+@pytest.fixture(scope="session")
+def chat_data(tmp_path_factory, trained_run):
+    """(jsonl path, dataset dir) of 120 conversations prepared with the trained_run's tokenizer."""
+    root = tmp_path_factory.mktemp("chat")
+    path = root / "chats.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in conversations(120)))
+    result = run_main("data/prepare.py", str(path), f"--out={root / 'data'}", f"--tokenizer_from={trained_run}")
+    assert result.returncode == 0, result.stderr
+    assert "120 conversations" in result.stdout
+    return path, str(root / "data")
+
+
+@pytest.fixture(scope="session")
+def sft_run(tmp_path_factory, trained_run, chat_data):
+    import train
+
+    out = tmp_path_factory.mktemp("sft")
+    train.main([*SFT_RUN, f"--init_from={trained_run}", f"--dataset={chat_data[1]}", f"--out_dir={out}",
+                "--max_iters=6", "--eval_interval=6"])
+    return str(out)
+
+
+def expected(tokenizer, messages):
+    """The template written out independently of ChatTokenizer.render: (ids, trained)."""
+    V = tokenizer.base.vocab_size
+    ids, trained = [], []
+    for m in messages:
+        content = tokenizer.base.encode(m["content"])
+        ids += [V + CHAT_TOKENS.index(f"<|{m['role']}|>"), *content, V + 3]
+        trained += [0] + [int(m["role"] == "assistant")] * (len(content) + 1)
+    return ids, trained
+
+
+def test_the_mask_trains_the_assistants_tokens_and_nothing_else(chat_data):
+    path, data = chat_data
+    meta = read_meta(data)
+    tokenizer = tokenizer_from_meta(meta["tokenizer"])
+    assert isinstance(tokenizer, ChatTokenizer) and meta["vocab_size"] == tokenizer.base.vocab_size + 4
+    train_part = [json.loads(line)["messages"] for line in path.read_text().splitlines()][: meta["chat"]["train"]["conversations"]]
+    rows = {}
+    for messages in train_part:
+        ids, trained = expected(tokenizer, messages)
+        assert tokenizer.render(messages) == (ids, trained)
+        rows[tuple(ids[:-1])] = [t if k else -1 for t, k in zip(ids[1:], trained[1:])]
+    sampler = ConversationSampler(data, "train", 64, seed=0, vocab_size=meta["vocab_size"])
+    x, y = sampler.sample(40)
+    assert x.shape[1] == 64  # padded to the longest, rounded up to 64
+    for xr, yr in zip(x.tolist(), y.tolist()):
+        key = max((k for k in rows if tuple(xr[: len(k)]) == k), key=len)  # the conversation this row holds
+        assert yr[: len(key)] == rows[key] and set(yr[len(key) :]) <= {-1}
+        user_noise = [t for t, target in zip(xr[1:], yr) if target == -1]
+        assert user_noise  # system, user and role tokens are inputs only
+
+
+def test_fine_tuning_reports_the_loss_over_trained_tokens_of_the_whole_step(chat_data, trained_run, tmp_path):
+    """Iteration 0's logged loss = the summed cross-entropy over the trained targets of both micro-batches,
+    divided by their count (not the mean of the two micro-batch means, which differs here)."""
+    import train
+    from checkpoint import load_model
+
+    data = chat_data[1]
+    train.main([*SFT_RUN, f"--init_from={trained_run}", f"--dataset={data}", f"--out_dir={tmp_path}", "--max_iters=1",
+                "--eval_interval=1", "--gradient_accumulation_steps=2", "--batch_size=3", "--warmup_iters=0"])
+    logged = read_metrics(str(tmp_path))[1]["loss"]
+    model = load_model(trained_run)[0]
+    base = model.config.vocab_size
+    model.add_tokens(base, list(range(base, base + 4)))
+    meta = read_meta(data)
+    x, y = ConversationSampler(data, "train", model.config.block_size, 1337, meta["vocab_size"]).sample(6)
+    with torch.no_grad():
+        logits = model(x)[0]
+    nll = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="none").view(y.shape)
+    counts = [(y[r] != -1).sum() for r in (slice(0, 3), slice(3, 6))]
+    assert counts[0] != counts[1]
+    whole = (nll.sum() / (y != -1).sum()).item()
+    mean_of_means = sum(nll[r].sum() / n for r, n in zip((slice(0, 3), slice(3, 6)), counts)).item() / 2
+    assert logged == pytest.approx(whole, abs=1e-5) and abs(whole - mean_of_means) > 1e-4
+    assert read_metrics(str(tmp_path))[0]["val_loss"] > 0
+
+
+def test_a_micro_batch_with_nothing_trained_gives_zero_not_nan():
+    logits = torch.randn(2, 5, 7, requires_grad=True)
+    targets = torch.full((2, 5), -1)
+    loss, ce = lm_loss(logits, targets, normalizer=torch.tensor(3.0))
+    loss.backward()
+    assert loss.item() == 0.0 and ce.item() == 0.0 and torch.equal(logits.grad, torch.zeros_like(logits))
+    assert math.isnan(lm_loss(logits, targets)[0].item())  # what a plain mean gives
+    smoothed = lm_loss(logits, targets, z_loss=1e-4, label_smoothing=0.1, normalizer=torch.tensor(3.0))[0]
+    assert smoothed.item() == 0.0
+
+
+def test_the_chat_tokens_rows_start_at_the_mean_and_old_logits_stay():
+    model = build(vocab_size=61)
+    idx = torch.randint(61, (1, 9))
+    before = model(idx)[0]
+    model.add_tokens(60, [60, 61, 62, 63])  # row 60 a padding row, 61-63 new
+    assert model.config.vocab_size == 64 and model.lm_head.weight is model.tok_emb.weight
+    mean = model.tok_emb.weight[:60].mean(0)
+    assert all(torch.equal(model.tok_emb.weight[i], mean) for i in (60, 61, 62, 63))
+    after = model(idx)[0]
+    assert torch.allclose(after[..., :60], before[..., :60], atol=1e-6)
+
+
+def test_fine_tuning_adds_the_chat_tokens_and_chat_answers_one_turn(sft_run, trained_run):
+    from checkpoint import load_model
+
+    model, state = load_model(sft_run)
+    assert state["tokenizer"]["kind"] == "chat" and model.config.vocab_size == load_model(trained_run)[0].config.vocab_size + 4
+    result = run_main("chat.py", f"--out_dir={sft_run}", "--prompt=the king", "--temperature=0", "--max_new_tokens=6",
+                      "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    from chat import Conversation
+    from generate import Sampling
+    from quantize import for_inference
+
+    conversation = Conversation(for_inference(model, "float32"), tokenizer_from_meta(state["tokenizer"]), Sampling(temperature=0), 0)
+    assert result.stdout == conversation.reply("the king", 6) + "\n"  # the reply alone
+
+
+def test_chat_refuses_a_base_model(trained_run):
+    result = run_main("chat.py", f"--out_dir={trained_run}", "--prompt=hi", "--device=cpu")
+    assert result.returncode == 2 and "no chat template" in one_error_line(result)
+
+
+def test_a_second_turn_runs_only_its_new_tokens_and_equals_a_fresh_run():
+    import generate
+    from chat import Conversation
+
+    base = CharTokenizer("".join(sorted(set(" ".join(WORDS)))))
+    tokenizer = ChatTokenizer(base)
+    model = build(vocab_size=tokenizer.vocab_size, block_size=96)
+    conversation = Conversation(model, tokenizer, generate.Sampling(temperature=0), 0, system="be brief")
+    conversation.reply("the king", 8)
+    fed = []
+    forward = model.forward_cached
+    model.forward_cached = lambda idx, cache=None, last=1: (fed.append(idx.size(1)), forward(idx, cache, last))[1]
+    before = list(conversation.ids)
+    reply = conversation.reply("sweet love", 8)
+    turn = tokenizer.render([{"role": "user", "content": "sweet love"}], add_generation_prompt=True)[0]
+    assert fed[0] <= len(turn) + 2 and all(n == 1 for n in fed[1:])  # the new turn (and the last reply's end), then one each
+    del model.forward_cached
+    assert conversation.ids[: len(before)] == before
+    messages = conversation.messages[:-1]
+    prompt = tokenizer.render(messages, add_generation_prompt=True)[0]
+    fresh = generate.generate(model, torch.tensor([prompt]), 8, generate.Sampling(temperature=0), tokenizer.end_token,
+                              use_cache=False)[0, len(prompt) :].tolist()
+    fresh = fresh[: next((i for i, t in enumerate(fresh) if t in tokenizer.names), len(fresh))]  # up to a chat token
+    assert tokenizer.decode(fresh) == reply and conversation.messages[-1] == {"role": "assistant", "content": reply}
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}]}', "chats.jsonl:2: messages[1].role: 'bot'"),
+    ('{"messages": [{"role": "user", "content": 3}]}', "chats.jsonl:2: messages[0].content: expected a string"),
+    ('{"text": "hi"}', "chats.jsonl:2: expected an object with a 'messages' list"),
+    ('{"messages": [{"role": "user", "content": "hi"}]', "chats.jsonl:2: not JSON"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}', "conversation 1: no assistant turn"),
+])  # fmt: skip
+def test_bad_conversations_name_the_line_and_field(tmp_path, trained_run, line, message):
+    good = json.dumps(conversations(1)[0])
+    (tmp_path / "chats.jsonl").write_text(good + "\n" + line + "\n" + good + "\n")
+    result = run_main("data/prepare.py", str(tmp_path / "chats.jsonl"), f"--out={tmp_path / 'out'}",
+                      f"--tokenizer_from={trained_run}")
+    assert result.returncode == 1 and message in result.stderr.strip().splitlines()[-1], result.stderr
+
+
+def test_tokenizer_from_must_be_a_run(tmp_path):
+    (tmp_path / "chats.jsonl").write_text(json.dumps(conversations(1)[0]) + "\n")
+    result = run_main("data/prepare.py", str(tmp_path / "chats.jsonl"), f"--out={tmp_path / 'out'}", f"--tokenizer_from={tmp_path}")
+    assert result.returncode == 1 and "no ckpt.pt there" in result.stderr
