@@ -7,7 +7,9 @@ to try it in a browser.
   python serve.py --help
 
 Endpoints: POST /v1/completions (prompt as text, texts, token ids or lists of them; max_tokens, temperature,
-top_p, top_k, stop, seed, n, stream, echo, logprobs), GET /v1/models, GET /health, GET / (the page).
+top_p, top_k, stop, seed, n, stream, echo, logprobs), POST /v1/chat/completions (messages, for a model
+fine-tuned on conversations; max_tokens or max_completion_tokens, the same sampling keys, logprobs and
+top_logprobs), GET /v1/models, GET /health, GET / (the page; a chat mode for a chat model).
 Needs `pip install -r requirements-serve.txt` (FastAPI and uvicorn; nothing else here imports them).
 
 How requests share the model (continuous batching, as Orca, vLLM and llama.cpp's slots do it): the Engine
@@ -36,7 +38,7 @@ import torch.nn.functional as F
 
 from checkpoint import ContextKeys, load_for
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
-from dataset import DataError, continuation
+from dataset import ChatTokenizer, DataError, chat_tokenizer, check_messages, continuation
 from device import DEVICES, pick_device
 from generate import Sampling, next_logits, row_batch, sample_next, sample_rows
 from quantize import WEIGHTS_DTYPES, for_inference, precision_line
@@ -81,6 +83,8 @@ class Job:
         self.tokens, self.cache, self.finish_reason, self.cancelled = [], None, None, False
         self.shown = ""  # text sent so far
         self.hold = max((len(s) - 1 for s in stop), default=0)  # what might be the start of a stop string
+        # where a choice ends by itself: end-of-text, or any chat template token (a reply's <|end|>, a new turn)
+        self.ends = {tokenizer.eot_token, *getattr(tokenizer, "names", ())} - {None}
 
     def scored_prompt(self, logits):
         """With echo and logprobs: the prompt's own tokens with their log-probabilities (the first has none)."""
@@ -105,7 +109,7 @@ class Job:
         if self.logprobs is not None:
             logp = F.log_softmax(logits[0].float(), dim=-1)
             entry = (token, float(logp[token]), self.top(logp))
-        if token == self.tokenizer.eot_token:
+        if token in self.ends:
             return self.finish("stop", entry)
         text = continuation(self.tokenizer, self.prompt, self.tokens)
         at = min((i for i in (text.find(s) for s in self.stop) if i >= 0), default=-1)
@@ -362,6 +366,32 @@ def prompts_of(body, tokenizer, vocab_size):
     return out
 
 
+def sampling_fields(body):
+    """The settings completions and chat completions share, checked (BadRequest naming the field)."""
+    s = dict(
+        temperature=field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "in [0, 2]"),
+        top_p=field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
+        top_k=field(body, "top_k", (int,), None, lambda v: v >= 1, ">= 1"),
+        n=field(body, "n", (int,), 1, lambda v: 1 <= v <= 16, "in [1, 16]"),
+        seed=field(body, "seed", (int,), None),
+        stream=field(body, "stream", (bool,), False),
+    )
+    stop = field(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > 4 or not all(isinstance(x, str) and x for x in stop):
+        raise BadRequest("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
+    s["stop"] = stop
+    return s
+
+
+def check_context(prompts, config):
+    limit = config.context_limit  # past it, generation slides (Engine.step); a prompt must fit in it
+    longest = max(map(len, prompts))
+    if limit is not None and longest > limit:
+        raise BadRequest(f"this model's context is {limit} tokens and the prompt has {longest}: shorten it",
+                         "prompt", code="context_length_exceeded")
+
+
 def parse_request(body, tokenizer, config):
     """(prompts, settings) of a completions request, or BadRequest naming the field. Unknown fields are
     ignored, as OpenAI does."""
@@ -370,28 +400,45 @@ def parse_request(body, tokenizer, config):
     prompts = prompts_of(body, tokenizer, config.vocab_size)
     s = dict(
         max_tokens=field(body, "max_tokens", (int,), 16, lambda v: v >= 0, ">= 0"),
-        temperature=field(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "in [0, 2]"),
-        top_p=field(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "in (0, 1]"),
-        top_k=field(body, "top_k", (int,), None, lambda v: v >= 1, ">= 1"),
-        n=field(body, "n", (int,), 1, lambda v: 1 <= v <= 16, "in [1, 16]"),
-        seed=field(body, "seed", (int,), None),
-        stream=field(body, "stream", (bool,), False),
+        **sampling_fields(body),
         echo=field(body, "echo", (bool,), False),
         logprobs=field(body, "logprobs", (int,), None, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
     )
-    stop = field(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > 4 or not all(isinstance(x, str) and x for x in stop):
-        raise BadRequest("'stop' must be a non-empty string or a list of up to 4 of them", "stop")
-    s["stop"] = stop
     if s["max_tokens"] == 0 and not (s["echo"] and s["logprobs"] is not None):
         raise BadRequest("'max_tokens' is 0: set echo and logprobs to score the prompt, or ask for tokens", "max_tokens")
-    limit = config.context_limit  # past it, generation slides (Engine.step); a prompt must fit in it
-    longest = max(map(len, prompts))
-    if limit is not None and longest > limit:
-        raise BadRequest(f"this model's context is {limit} tokens and the prompt has {longest}: shorten it",
-                         "prompt", code="context_length_exceeded")
+    check_context(prompts, config)
     return prompts, s
+
+
+CHAT_REPLY_TOKENS = 256  # a chat reply's max_tokens when the request sets none and the model has no context limit
+
+
+def parse_chat_request(body, tokenizer, config):
+    """(prompts, settings) of a chat completions request: the messages rendered with the model's chat
+    template and the assistant's turn opened (dataset.ChatTokenizer.render). max_tokens (or OpenAI's newer
+    max_completion_tokens) defaults to what the context has left; logprobs is a bool, top_logprobs 0-20."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    try:
+        messages = check_messages(body.get("messages"))
+        chat = chat_tokenizer(tokenizer)
+        prompt = chat.render(messages, add_generation_prompt=True)[0]
+    except DataError as e:
+        param = str(e).split(":")[0] if str(e).startswith("messages") else "messages"
+        raise BadRequest(str(e), param) from None
+    check_context([prompt], config)
+    limit = config.context_limit
+    default = limit - len(prompt) + 1 if limit is not None else CHAT_REPLY_TOKENS  # (the last token is the reply's end)
+    tokens = field(body, "max_completion_tokens", (int,), None, lambda v: v >= 1, ">= 1")
+    s = dict(
+        max_tokens=field(body, "max_tokens", (int,), tokens or default, lambda v: v >= 1, ">= 1"),
+        **sampling_fields(body),
+        echo=False,
+        logprobs=None,
+    )
+    if field(body, "logprobs", (bool,), False):
+        s["logprobs"] = field(body, "top_logprobs", (int,), 0, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]")
+    return [prompt], s
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -431,10 +478,11 @@ def make_app(model, tokenizer, c, name, engine_thread=True):
 
     @app.get("/", response_class=HTMLResponse)
     def page():
-        return PAGE.replace("{{model}}", name)
+        return PAGE.replace("{{model}}", name).replace("{{chat}}", json.dumps(isinstance(tokenizer, ChatTokenizer)))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def answer(request, parse, make_reply, prefix):
+        """A completions or chat completions request: parsed, its choices queued as jobs, answered whole or
+        streamed."""
         try:
             authorise(request)
             raw = await request.body()
@@ -444,7 +492,7 @@ def make_app(model, tokenizer, c, name, engine_thread=True):
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise BadRequest(f"the body is not valid JSON ({e})") from None
-            prompts, s = parse_request(body, tokenizer, model.config)
+            prompts, s = parse(body, tokenizer, model.config)
             sampling = checked(Sampling, float(s["temperature"]), s["top_k"], float(s["top_p"]))
         except (BadRequest, ConfigError) as e:
             return error(e if isinstance(e, BadRequest) else BadRequest(str(e)))
@@ -461,7 +509,7 @@ def make_app(model, tokenizer, c, name, engine_thread=True):
         except QueueFull:
             return error(BadRequest(f"the server is busy ({engine.max_batch} running, queue of {engine.max_queue} "
                                     "full); retry shortly", status=503, headers={"Retry-After": "1"}))
-        reply = Reply(f"cmpl-{next(ids)}-{int(time.time())}", name, prompts, s, tokenizer)
+        reply = make_reply(f"{prefix}-{next(ids)}-{int(time.time())}", name, prompts, s, tokenizer)
         if s["stream"]:
             return StreamingResponse(reply.stream(events, jobs), media_type="text/event-stream")
         try:
@@ -474,6 +522,14 @@ def make_app(model, tokenizer, c, name, engine_thread=True):
             return JSONResponse({"error": {"message": reply.failure, "type": "server_error", "param": None,
                                            "code": None}}, status_code=500)
         return reply.whole()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await answer(request, parse_request, Reply, "cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await answer(request, parse_chat_request, ChatReply, "chatcmpl")
 
     return app
 
@@ -561,6 +617,42 @@ class Reply:
                 job.cancelled = True
 
 
+class ChatReply(Reply):
+    """The same jobs' events as OpenAI's chat completions: a message per choice, or chat.completion.chunk
+    events (per choice the role first, then content deltas, a last empty delta with its finish_reason,
+    then [DONE]); logprobs as {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}."""
+
+    def logprobs(self, entries):
+        if self.s["logprobs"] is None:
+            return None
+
+        def item(text, logprob):
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [{**item(self.tokenizer.decode([t]), lp), "top_logprobs": [item(k, v) for k, v in top.items()]}
+                            for t, lp, top in entries]}
+
+    def choice(self, index):
+        return {"index": index, "message": {"role": "assistant", "content": self.text[index]},
+                "logprobs": self.logprobs(self.entries[index]), "finish_reason": self.finish[index]}
+
+    def whole(self):
+        return {**super().whole(), "object": "chat.completion"}
+
+    def chunk(self, index, text, entries, finish_reason=None, delta=None):
+        delta = delta if delta is not None else ({"content": text} if finish_reason is None else {})
+        body = {"id": self.id, "object": "chat.completion.chunk", "created": int(time.time()), "model": self.model,
+                "choices": [{"index": index, "delta": delta, "logprobs": self.logprobs(entries) if entries else None,
+                             "finish_reason": finish_reason}]}
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def stream(self, events, jobs):
+        for index in range(len(self.text)):
+            yield self.chunk(index, "", [], delta={"role": "assistant", "content": ""})
+        async for event in super().stream(events, jobs):
+            yield event
+
+
 # ----------------------------------------------------------------------------------------------------
 # The page: no build step, no CDN (the machine may be offline); it uses the same API
 
@@ -582,27 +674,32 @@ label { margin-right: 1rem; } input[type=number] { width: 5rem; } #stats { color
 <label>top k <input id="top_k" type="number" value="" min="1" placeholder="all"></label>
 <label>seed <input id="seed" type="number" value="" placeholder="random"></label>
 <label>API key <input id="key" type="password" size="10"></label></p>
-<p><button id="go">Generate</button> <button id="stop" disabled>Stop</button> <span id="stats"></span></p>
+<p><button id="go">Generate</button> <button id="stop" disabled>Stop</button> <button id="clear" hidden>New chat</button>
+<span id="stats"></span></p>
 <pre id="out"></pre>
 <script>
 const $ = (id) => document.getElementById(id);
-let controller = null;
+const CHAT = {{chat}};  // a model with a chat template: the text box is your turn, /v1/chat/completions answers
+let controller = null, history = [], transcript = "";
+if (CHAT) { $("prompt").value = ""; $("go").textContent = "Send"; $("clear").hidden = false; }
 function settings() {
-  const body = {prompt: $("prompt").value, max_tokens: +$("max_tokens").value, temperature: +$("temperature").value,
+  const body = {max_tokens: +$("max_tokens").value, temperature: +$("temperature").value,
                 top_p: +$("top_p").value, stream: true};
+  if (CHAT) body.messages = [...history, {role: "user", content: $("prompt").value}]; else body.prompt = $("prompt").value;
   if ($("top_k").value) body.top_k = +$("top_k").value;
   if ($("seed").value) body.seed = +$("seed").value;
   return body;
 }
 async function generate() {
   const out = $("out"), stats = $("stats");
-  out.textContent = $("prompt").value; stats.textContent = "";
+  const turn = $("prompt").value; let reply = "";
+  out.textContent = CHAT ? transcript + "you: " + turn + "\\nmodel: " : turn; stats.textContent = "";
   controller = new AbortController(); $("go").disabled = true; $("stop").disabled = false;
   const headers = {"Content-Type": "application/json"};
   if ($("key").value) headers["Authorization"] = "Bearer " + $("key").value;
   const start = performance.now(); let first = null, tokens = 0;
   try {
-    const response = await fetch("/v1/completions", {method: "POST", headers, body: JSON.stringify(settings()),
+    const response = await fetch(CHAT ? "/v1/chat/completions" : "/v1/completions", {method: "POST", headers, body: JSON.stringify(settings()),
                                                       signal: controller.signal});
     if (!response.ok) { const e = await response.json(); stats.textContent = "error: " + e.error.message; return; }
     const reader = response.body.getReader(), decoder = new TextDecoder();
@@ -617,8 +714,12 @@ async function generate() {
         if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
         const chunk = JSON.parse(line.slice(6));
         if (chunk.error) { stats.textContent = "error: " + chunk.error.message; continue; }
-        const choice = chunk.choices[0];
-        if (choice.text) { out.textContent += choice.text; tokens += 1; first = first || performance.now(); }
+        const choice = chunk.choices[0], text = CHAT ? (choice.delta.content || "") : choice.text;
+        if (text) { out.textContent += text; reply += text; tokens += 1; first = first || performance.now(); }
+        if (CHAT && choice.finish_reason) {
+          history.push({role: "user", content: turn}, {role: "assistant", content: reply});
+          transcript = out.textContent + "\\n"; $("prompt").value = "";
+        }
         const seconds = (performance.now() - (first || start)) / 1000;
         stats.textContent = tokens + " chunks, " + (seconds > 0 ? (tokens / seconds).toFixed(1) : "-") + " tokens/s" +
           (choice.finish_reason ? ", finished: " + choice.finish_reason : "");
@@ -632,6 +733,7 @@ const query = new URLSearchParams(location.search);  // ?prompt=...&run=1 fills 
 for (const [key, value] of query) if ($(key) && key !== "out") $(key).value = value;
 if (query.get("run")) generate();
 $("stop").onclick = () => controller && controller.abort();
+$("clear").onclick = () => { history = []; transcript = ""; $("out").textContent = ""; };
 </script></body></html>
 """
 

@@ -2,57 +2,14 @@
 
 import json
 import math
-import random
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import WORDS, build, one_error_line, read_metrics, run_main
+from conftest import SFT_RUN, WORDS, build, conversations, one_error_line, read_metrics, run_main
 
 from dataset import CHAT_TOKENS, CharTokenizer, ChatTokenizer, ConversationSampler, read_meta, tokenizer_from_meta
 from model import lm_loss
-
-SFT_RUN = ["--batch_size=4", "--eval_iters=2", "--log_interval=1", "--warmup_iters=2", "--learning_rate=3e-3",
-           "--dtype=float32", "--device=cpu"]  # fmt: skip  (TINY_RUN's keys that a fine-tune may set)
-
-
-def conversations(n, seed=0):
-    """The user's turn is random words (noise no model can predict); the assistant repeats its first word.
-    Every third has a system turn, every fourth a second exchange."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        def exchange():
-            words = [rng.choice(WORDS) for _ in range(rng.randint(1, 3))]
-            return [{"role": "user", "content": " ".join(words)}, {"role": "assistant", "content": words[0]}]
-        messages = ([{"role": "system", "content": "be brief"}] if i % 3 == 0 else []) + exchange()
-        if i % 4 == 0:
-            messages += exchange()
-        out.append({"messages": messages})
-    return out
-
-
-@pytest.fixture(scope="session")
-def chat_data(tmp_path_factory, trained_run):
-    """(jsonl path, dataset dir) of 120 conversations prepared with the trained_run's tokenizer."""
-    root = tmp_path_factory.mktemp("chat")
-    path = root / "chats.jsonl"
-    path.write_text("".join(json.dumps(c) + "\n" for c in conversations(120)))
-    result = run_main("data/prepare.py", str(path), f"--out={root / 'data'}", f"--tokenizer_from={trained_run}")
-    assert result.returncode == 0, result.stderr
-    assert "120 conversations" in result.stdout
-    return path, str(root / "data")
-
-
-@pytest.fixture(scope="session")
-def sft_run(tmp_path_factory, trained_run, chat_data):
-    import train
-
-    out = tmp_path_factory.mktemp("sft")
-    train.main([*SFT_RUN, f"--init_from={trained_run}", f"--dataset={chat_data[1]}", f"--out_dir={out}",
-                "--max_iters=6", "--eval_interval=6"])
-    return str(out)
-
 
 def expected(tokenizer, messages):
     """The template written out independently of ChatTokenizer.render: (ids, trained)."""

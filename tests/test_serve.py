@@ -286,12 +286,11 @@ def test_no_other_script_imports_fastapi():
     assert result.stdout.strip() == "none", f"{result.stdout.strip()} brings in fastapi or uvicorn; {result.stderr}"
 
 
-def test_the_page_streams_in_a_headless_browser(server):
+def rendered_page(url):
+    """The page's DOM once its stream has finished (headless chromium), or a skip without chromium."""
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
         pytest.skip("no chromium here (.ci/run installs Debian's chromium where apt can)")
-    url = f"{server.url}/?prompt=The%20king&max_tokens=12&temperature=0&run=1"
-    expected = "The king" + server.greedy("The king", 12)
     # --dump-dom waits for the page's virtual time, which runs on while the stream's body arrives in real
     # time: on a busy machine the dump can come before the stream ends. Up to three looks, each longer.
     for budget in (15_000, 60_000, 240_000):
@@ -299,8 +298,25 @@ def test_the_page_streams_in_a_headless_browser(server):
                                  "--dump-dom", url], capture_output=True, text=True, timeout=120)
         if re.search(r'id="stats">[^<]*finished: ', result.stdout):  # the rendered line, not the script's text
             break
-    assert expected.replace("&", "&amp;").replace("<", "&lt;") in result.stdout, result.stdout[-2000:]
-    assert re.search(r'id="stats">[^<]*finished: length</span>', result.stdout)  # the page saw the stream end
+    return result.stdout
+
+
+def html(text):
+    return text.replace("&", "&amp;").replace("<", "&lt;")
+
+
+def test_the_page_streams_in_a_headless_browser(server):
+    dom = rendered_page(f"{server.url}/?prompt=The%20king&max_tokens=12&temperature=0&run=1")
+    expected = "The king" + server.greedy("The king", 12)
+    assert html(expected) in dom, dom[-2000:]
+    assert re.search(r'id="stats">[^<]*finished: length</span>', dom)  # the page saw the stream end
+
+
+def test_the_page_chats_with_a_chat_model(chat_server):
+    dom = rendered_page(f"{chat_server.url}/?prompt=the%20king&max_tokens=8&temperature=0&run=1")
+    reply = chat_py_reply(chat_server, [{"role": "user", "content": "the king"}], 8)
+    assert html(f"you: the king\nmodel: {reply}") in dom, dom[-2000:]
+    assert re.search(r'id="stats">[^<]*finished: (stop|length)</span>', dom)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -362,3 +378,62 @@ def test_a_reply_past_the_context_slides_as_sample_py_does(server):
     assert status == 200 and texts == [server.greedy(p, 40) for p in prompts]
     listed = json.loads(server.get("/v1/models"))
     assert listed["data"][0]["max_model_len"] == listed["data"][0]["context_length"] == 32
+
+
+# ---------------------------------------------------------------------------------------------------
+# Chat completions (a model fine-tuned on conversations: conftest's sft_run)
+
+
+@pytest.fixture(scope="module")
+def chat_server(sft_run):
+    s = Server(sft_run, max_batch=4, max_queue=4)
+    yield s
+    s.stop()
+
+
+def chat_py_reply(server, messages, max_tokens):
+    """What chat.py answers to the conversation's last user turn (greedy), the earlier turns given."""
+    from chat import Conversation
+
+    conversation = Conversation(server.model, server.tokenizer, Sampling(temperature=0), 0)
+    conversation.messages = messages[:-1]
+    conversation.ids = server.tokenizer.render(messages[:-1])[0]
+    return conversation.reply(messages[-1]["content"], max_tokens)
+
+
+def test_openai_client_chat_completions_equal_chat_py(chat_server):
+    openai = pytest.importorskip("openai", reason="the openai package is a test dependency (requirements-dev.txt)")
+    client = openai.OpenAI(base_url=chat_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "the king"}, {"role": "assistant", "content": "the"},
+                {"role": "user", "content": "love"}]  # 22 tokens and 8 new: within block_size 32, as chat.py keeps it
+    expected = chat_py_reply(chat_server, messages, 8)
+    done = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    assert done.object == "chat.completion" and done.choices[0].message.role == "assistant"
+    assert done.choices[0].message.content == expected
+    assert done.choices[0].finish_reason in ("stop", "length")
+    newer = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=8, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    assert newer.choices[0].message.content == expected
+    assert len(newer.choices[0].logprobs.content[0].top_logprobs) == 2
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, stream=True))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == done.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("messages, param", [
+    (None, "messages"),
+    ([], "messages"),
+    ([{"role": "robot", "content": "hi"}], "messages[0].role"),
+    ([{"role": "user", "content": "hi"}, {"role": "user"}], "messages[1].content"),
+    (["hi"], "messages[0]"),
+])  # fmt: skip
+def test_malformed_messages_get_400_naming_the_field(chat_server, messages, param):
+    status, body = chat_server.post({"messages": messages, "max_tokens": 4}, path="/v1/chat/completions")
+    assert status == 400 and body["error"]["param"] == param and param in body["error"]["message"]
+
+
+def test_chat_completions_refuse_a_model_without_a_template(server):
+    status, body = server.post({"messages": [{"role": "user", "content": "hi"}]}, path="/v1/chat/completions")
+    assert status == 400 and "no chat template" in body["error"]["message"]
