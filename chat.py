@@ -9,7 +9,8 @@ train.py --init_from=BASE_RUN --dataset=NAME), turn after turn in the terminal, 
 Typed lines are your turns; /clear starts a new conversation, /exit (or Ctrl-D) ends. The KV cache is kept
 from turn to turn, so each turn runs only its new tokens through the model (the reply's, then yours),
 and greedy replies equal a fresh run over the whole conversation. When a conversation outgrows the
-model's context, its oldest turns are dropped (the system turn stays), and chat.py says so.
+model's context, its oldest exchanges are dropped (the system turn stays), and chat.py says so; a reply
+ends at max_new_tokens or at the context's end.
 """
 
 import sys
@@ -60,23 +61,28 @@ class Conversation:
         self.generator = torch.Generator(device=self.device).manual_seed(self.seed)
 
     def fit(self, turn, max_new_tokens, notes):
-        """Drops the oldest turns (a user turn and what follows it; the system turn stays) until the
-        conversation, this turn's tokens and a whole reply fit in the model's context; the cache then
-        starts over."""
+        """Drops the oldest exchanges (a user turn and what follows it; the system turn stays) until the
+        conversation, this turn and room for its reply fit in the model's context (room: max_new_tokens,
+        or half the context if that is less); the cache then starts over. Returns the most tokens the
+        reply can have there (it ends at the context's end, as a reply that runs out of max_new_tokens)."""
         limit = self.model.config.context_limit
+        if limit is None:
+            return max_new_tokens
+        room = min(max_new_tokens, limit // 2)
         dropped = 0
-        while limit is not None and len(self.ids) + len(turn) + max_new_tokens > limit:
+        while len(self.ids) + len(turn) + room > limit + 1:  # (the reply's last token is never an input)
             first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
-            users = [i for i, m in enumerate(self.messages) if m["role"] == "user" and i > first]
+            users = [i for i, m in enumerate(self.messages) if m["role"] == "user" and i >= first]
             if len(self.messages) == first:
-                raise ConfigError(f"this turn and a reply of max_new_tokens={max_new_tokens} do not fit in the model's "
-                                  f"context of {limit} tokens; shorten it or lower max_new_tokens")
+                raise ConfigError(f"this turn ({len(turn)} tokens) and room for a reply do not fit in the model's "
+                                  f"context of {limit} tokens; shorten it")
             del self.messages[first : users[1] if len(users) > 1 else len(self.messages)]
             self.ids = self.tokenizer.render(self.messages)[0]
             dropped += 1
         if dropped:
             notes(f"note: the conversation outgrew the context of {limit} tokens; dropped its {dropped} oldest exchange(s)")
             self.cache = self.model.new_cache()
+        return min(max_new_tokens, limit + 1 - len(self.ids) - len(turn))
 
     @torch.no_grad()
     def reply(self, text, max_new_tokens, write=lambda s: None, notes=lambda s: None):
@@ -84,7 +90,7 @@ class Conversation:
         conversation (closed with <|end|> also when it ran out of max_new_tokens or began another turn). The conversation's
         tokens are the ones the model saw and sampled, so the next turn's prefix is the cache's."""
         turn = self.tokenizer.render([{"role": "user", "content": text}], add_generation_prompt=True)[0]
-        self.fit(turn, max_new_tokens, notes)
+        max_new_tokens = self.fit(turn, max_new_tokens, notes)
         self.messages.append({"role": "user", "content": text})
         prompt = self.ids + turn
         new = prompt[self.cache.length :]  # what the cache has not seen: this turn (and the last reply's end)

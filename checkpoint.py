@@ -16,11 +16,12 @@ import pickle
 import socket
 import time
 import zipfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Optional
 
 import torch
 
+import lora
 from configurator import UserError, checked
 from dataset import atomic_write, tokenizer_from_meta
 from hf import GPT2_HUB_NAMES, pretrained_tokenizer
@@ -121,8 +122,10 @@ class RunState:
                                 torch.mps.get_rng_state() if mps else None))
         if not run.world.master:
             return
+        if run.lora:  # the adapters (and the new tokens' rows) alone; the base is on disk, named and hashed
+            model_state = {k: v for k, v in model_state.items() if k in lora.trainable(run.raw_model)}
         state = {
-            "format": FORMAT, "model": model_state, "optimizer": optim_state,
+            "format": FORMAT, "model": model_state, "optimizer": optim_state, "lora": run.lora,
             "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
             "model_config": asdict(run.model_config), "train_config": asdict(run.train_config),
             "tokenizer": run.data_meta["tokenizer"], "iter_num": self.iter_num, "best_val_loss": self.best_val,
@@ -135,8 +138,39 @@ class RunState:
         save_checkpoint(path, state)
 
 
+def lora_model(state, path, merged=True, dropout=0.0):
+    """A LoRA run's model: its base (checked against the sha256 recorded when the run began), the chat
+    tokens' rows if it added them, and the adapters; merged into plain weights unless merged=False (a
+    resumed run trains on)."""
+    record = state["lora"]
+    base_path = os.path.join(record["base"], CHECKPOINT)
+    if not os.path.exists(base_path):
+        raise CheckpointError(f"{path}: a LoRA run's adapters need their base, {base_path}, which is gone; restore it "
+                              "(the adapters fit only the weights they were trained on)")
+    if lora.file_sha256(base_path) != record["base_sha256"]:
+        raise CheckpointError(f"{path}: its base {base_path} changed since the LoRA run began (sha256 differs); "
+                              "the adapters fit only the weights they were trained on: restore that checkpoint")
+    model = model_from_checkpoint(load_checkpoint(base_path), base_path)
+    if dropout:  # a resumed run's dropout (the base's modules carry their own)
+        tuned = GPT(replace(model.config, dropout=dropout))
+        tuned.load_state_dict(model.state_dict())
+        model = tuned
+    first = record["new_rows_from"]
+    if first is not None:
+        model.add_tokens(first, list(range(first, state["model_config"]["vocab_size"])))
+    lora.apply(model, record["rank"], record["alpha"], record["dropout"], lora.parse_targets(record["targets"]), first)
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    trained = set(lora.trainable(model))
+    if unexpected or trained - set(state["model"]):
+        raise CheckpointError(f"{path}: its adapters do not fit the base's model ({(unexpected or sorted(trained - set(state['model'])))[0]})")
+    return lora.merge(model) if merged else model
+
+
 def model_from_checkpoint(state, path):
-    """Rebuilds the model a checkpoint holds; a weight that does not fit its config is a clear error."""
+    """Rebuilds the model a checkpoint holds; a weight that does not fit its config is a clear error. A
+    LoRA run's: its base with the adapters merged (lora_model)."""
+    if state.get("lora"):
+        return lora_model(state, path)
     try:
         config = GPTConfig(**state["model_config"])
     except (TypeError, ValueError) as e:

@@ -21,13 +21,14 @@ from typing import Optional
 
 import torch
 
-from checkpoint import CHECKPOINT, METRICS, ContextKeys, RunLock, RunState, load_checkpoint, tokens_per_step
+from checkpoint import CHECKPOINT, METRICS, ContextKeys, RunLock, RunState, load_checkpoint, lora_model, tokens_per_step
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import (CHAT_TOKENS, BatchSampler, ConversationSampler, DataError, describe_meta, is_chat_dataset, open_split,
                      read_meta, resolve_dataset, tokenizer_from_meta)
 from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
 from device import autocast as autocast_for
 from hf import uses_gpt2_tokenizer
+import lora
 from interpret import best, head_scores, recording
 from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, ModelKeys, lm_loss, model_config, model_helps
 from optim import OPTIMIZERS, build_optimizers, clip_gradients, get_lr
@@ -39,6 +40,11 @@ class TrainConfig(ModelKeys):  # and every model key (model.ModelKeys)
     init_from: str = "scratch"  # scratch | resume | auto (resume if out_dir has a checkpoint, else scratch) | gpt2 | gpt2-medium | gpt2-large | gpt2-xl | a Hugging Face model directory
     overwrite: bool = False  # init_from=scratch into an out_dir that holds a checkpoint: False refuses, True starts over
     dataset: str = "shakespeare_char"  # a prepared dataset: a name under data/, or a directory
+    # fine-tuning with LoRA (init_from: a run's out_dir; docs/guide.md: Chat)
+    lora_rank: int = 0  # LoRA adapters of this rank on lora_targets, every other weight frozen; 0 = train every weight
+    lora_alpha: float = 16.0  # the adapters' update is scaled by lora_alpha / lora_rank
+    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_targets: str = "qkv"  # the blocks' matrices that get adapters: a comma list of qkv, attn_proj, mlp_fc, mlp_proj, or all
     # schedule, evaluation, checkpoints
     max_iters: int = 5000  # optimizer steps in the whole run
     eval_interval: int = 250  # evaluate (and checkpoint) every this many steps, and at the end
@@ -106,6 +112,16 @@ def check_config(c):
         raise ConfigError("grad_clip and weight_decay must be >= 0")
     if not (0 <= c.beta1 < 1 and 0 <= c.beta2 < 1):
         raise ConfigError(f"beta1={c.beta1} and beta2={c.beta2} must be in [0, 1)")
+    if c.lora_rank < 0:
+        raise ConfigError(f"lora_rank={c.lora_rank} must be >= 0 (0: no LoRA, every weight trains)")
+    if c.lora_rank:
+        checked(lora.parse_targets, c.lora_targets)
+        if c.lora_alpha <= 0 or not 0 <= c.lora_dropout < 1:
+            raise ConfigError(f"lora_alpha={c.lora_alpha} must be > 0 and lora_dropout={c.lora_dropout} in [0, 1)")
+        if c.init_from == "scratch":
+            raise ConfigError("lora_rank > 0 fine-tunes a trained model: give init_from=OUT_DIR of the base run")
+        if c.optimizer != "adamw" or c.fsdp:
+            raise ConfigError("lora_rank > 0 trains its adapters with AdamW under DDP or one process: set optimizer=adamw and fsdp=False")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -268,7 +284,7 @@ class Run:
         data_dir = resolve_dataset(c.dataset)
         self.data_meta = read_meta(data_dir)
         self.notes = []
-        model = build_model(c, explicit, self.data_meta, ckpt, self.notes)
+        model, self.lora = build_model(c, explicit, self.data_meta, ckpt, self.notes)
         self.model_config = config = model.config
         if self.data_meta["vocab_size"] > config.vocab_size:
             raise DataError(f"dataset {c.dataset!r} has a vocabulary of {self.data_meta['vocab_size']}, more than "
@@ -520,14 +536,28 @@ def build_model(c, explicit, data_meta, ckpt, notes):
     """The model for init_from (with a checkpoint's weights), checked against the dataset's tokenizer. A
     base model fine-tuned on a chat dataset of its own tokenizer gains the chat tokens (GPT.add_tokens)."""
     model, source = load_model_for(c, explicit, data_meta, ckpt, notes)
+    if ckpt is not None:  # (a LoRA run resumes with its adapters in place: checkpoint.lora_model)
+        return model, ckpt.get("lora")
     tokenizer = data_meta["tokenizer"]
+    new_rows = None
     if tokenizer.get("kind") == "chat" and source != tokenizer:
-        base = data_meta["vocab_size"] - len(CHAT_TOKENS)
+        new_rows = base = data_meta["vocab_size"] - len(CHAT_TOKENS)
         model.add_tokens(base, list(range(base, base + len(CHAT_TOKENS))))
         notes.append(f"note: the chat template's {len(CHAT_TOKENS)} tokens are ids {base}-{base + len(CHAT_TOKENS) - 1}, their "
                      f"rows (embedding{'' if model.config.tie_embeddings else ' and head'}) set to the mean of the "
                      f"{base} base tokens' rows; vocab_size is {model.config.vocab_size}")
-    return model
+    if not c.lora_rank:
+        return model, None
+    if not os.path.exists(os.path.join(c.init_from, CHECKPOINT)):
+        raise ConfigError(f"lora_rank > 0: init_from={c.init_from} must be a training run's out_dir (its {CHECKPOINT} is "
+                          "the base the adapters are saved against)")
+    record = {**lora.base_record(c.init_from, CHECKPOINT), "rank": c.lora_rank, "alpha": c.lora_alpha,
+              "dropout": c.lora_dropout, "targets": c.lora_targets, "new_rows_from": new_rows}
+    lora.apply(model, c.lora_rank, c.lora_alpha, c.lora_dropout, lora.parse_targets(c.lora_targets), new_rows)
+    trained = sum(p.numel() for p in lora.trainable(model).values())
+    notes.append(f"note: LoRA rank {c.lora_rank} on {c.lora_targets}: {trained:,} trained parameters, the base's "
+                 f"{sum(p.numel() for p in model.parameters() if not p.requires_grad):,} frozen")
+    return model, record
 
 
 def base_of(tokenizer):
@@ -549,8 +579,11 @@ def load_model_for(c, explicit, data_meta, ckpt, notes):
         if ckpt["tokenizer"] != tokenizer:
             raise DataError(f"dataset {c.dataset!r} uses {describe_meta(tokenizer)}, but {c.out_dir}/{CHECKPOINT} "
                             f"was trained with {describe_meta(ckpt['tokenizer'])}; resume with the dataset it was trained on")
-        model = GPT(GPTConfig(**{**ckpt["model_config"], "dropout": c.dropout}))
-        model.load_state_dict(ckpt["model"])
+        if ckpt.get("lora"):
+            model = lora_model(ckpt, os.path.join(c.out_dir, CHECKPOINT), merged=False, dropout=c.dropout)
+        else:
+            model = GPT(GPTConfig(**{**ckpt["model_config"], "dropout": c.dropout}))
+            model.load_state_dict(ckpt["model"])
         if changed:  # only context keys are left: continue at another context
             checked(model.set_context, changed.get("block_size"), changed.get("rope_scaling"), changed.get("rope_factor"))
             notes.append("note: resuming at " + ", ".join(f"{k}={v!r}" for k, v in changed.items()) + " (the checkpoint "
