@@ -10,7 +10,10 @@ start's) variants. Anything else is refused in one line that names the keys to c
 
 GPT-2 BPE models get tokenizer.json, vocab.json and merges.txt that encode exactly as tiktoken's gpt2;
 character models a tokenizer.json over their characters, with [UNK] for any other when the model has a
-padding row (--vocab_size above the characters).
+padding row (--vocab_size above the characters). A model fine-tuned on conversations also gets its chat
+template (Jinja, in tokenizer_config.json) and the template's tokens as special tokens at our ids, with
+<|end|> as the end of sequence: transformers' apply_chat_template(messages, add_generation_prompt=True)
+gives our prompt ids, and its generate() stops where our replies do.
 """
 
 from dataclasses import dataclass

@@ -14,7 +14,7 @@ import torch
 
 import attention
 from configurator import UserError
-from dataset import EOT, UNK, DataError, HFTokenizer, TiktokenTokenizer, describe_meta
+from dataset import CHAT_TEMPLATE, CHAT_TOKENS, EOT, UNK, DataError, HFTokenizer, TiktokenTokenizer, describe_meta
 from model import GPTConfig
 
 
@@ -430,7 +430,10 @@ def bpe_merges(ranks):
 
 def save_tokenizer(meta, directory, max_length):
     """Writes tokenizer.json and tokenizer_config.json for our tokenizer (its meta dict) into directory.
-    GPT-2's BPE also gets vocab.json and merges.txt. Returns a line saying what was written."""
+    GPT-2's BPE also gets vocab.json and merges.txt. A chat model's tokenizer gets the chat template's
+    tokens as special tokens at our ids and the template itself (Jinja, in tokenizer_config.json), so
+    transformers' apply_chat_template renders our prompt ids, and <|end|> as its end of sequence.
+    Returns a line saying what was written."""
     try:
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     except ImportError:
@@ -439,6 +442,9 @@ def save_tokenizer(meta, directory, max_length):
               "clean_up_tokenization_spaces": False}
     with open(os.path.join(directory, "config.json")) as f:  # its end-of-text ids are this tokenizer's
         model_config = json.load(f)  # (transformers' defaults: GPT-2's 50256, Llama's 1 and 2)
+    chat = meta.get("kind") == "chat"
+    special = list(CHAT_TOKENS) if chat else []
+    meta = meta["base"] if chat else meta
     eot = 50256
     if meta == {"kind": "tiktoken", "encoding": "gpt2"}:
         encoding = TiktokenTokenizer("gpt2").enc
@@ -465,20 +471,29 @@ def save_tokenizer(meta, directory, max_length):
     elif meta.get("kind") == "char":
         eot = None  # no end-of-text token: config.json's bos/eos (GPT-2's 50256 by default) must not name one
         chars, vocab_size = meta["chars"], model_config["vocab_size"]
-        vocab = {c: i for i, c in enumerate(chars)}
+        vocab = {c: i for i, c in enumerate([*chars, *special])}  # the chat tokens at our ids, marked special below
         what = f"a {len(chars)}-character vocabulary (tokenizer.json)"
-        if vocab_size > len(chars):  # a padded row, never an input in training: other characters read as it
-            vocab[UNK] = len(chars)
+        if vocab_size > len(vocab):  # a padded row, never an input in training: other characters read as it
+            vocab[UNK] = len(vocab)
             config.update(unk_token=UNK)
-            what += f"; any other character reads as {UNK} (id {len(chars)}, a padding row of the model)"
+            what += f"; any other character reads as {UNK} (id {vocab[UNK]}, a padding row of the model)"
         else:  # no row to spare, and an added one would take probability from the real characters
             what += (f"; transformers' tokenizer raises 'Missing [UNK] token' on any other character (train with "
-                     f"--vocab_size={len(chars) + 1} or more and the export maps them to {UNK})")
+                     f"--vocab_size={len(vocab) + 1} or more and the export maps them to {UNK})")
         tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK if UNK in vocab else None))
         tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one char each
         tokenizer.decoder = decoders.Fuse()  # and back without spaces between them
     else:
         return f"no tokenizer written: {describe_meta(meta)} has no Hugging Face equivalent here"
+    if chat:
+        first = tokenizer.get_vocab_size(with_added_tokens=True) if meta.get("kind") != "char" else len(meta["chars"])
+        tokenizer.add_special_tokens(special)  # appended after the base vocabulary (a character one has them already)
+        if [tokenizer.token_to_id(t) for t in special] != list(range(first, first + len(special))):
+            raise UserError(f"the chat tokens did not land at ids {first}-{first + len(special) - 1} in the exported tokenizer")
+        eot = tokenizer.token_to_id(CHAT_TOKENS[-1])  # a reply ends at <|end|>: transformers' generate stops there
+        config.update(eos_token=CHAT_TOKENS[-1], chat_template=CHAT_TEMPLATE, additional_special_tokens=special)
+        config.setdefault("bos_token", None)
+        what += f"; the chat template and its {len(special)} tokens (ids {first}-{first + len(special) - 1})"
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(model_config | {"bos_token_id": eot, "eos_token_id": eot}, f, indent=2)
     tokenizer.save(os.path.join(directory, "tokenizer.json"))

@@ -241,3 +241,64 @@ def test_a_config_without_an_equivalent_is_told_which_key_to_change(tmp_path, ca
     message = str(err.value)
     assert "no Hugging Face equivalent: the nearest is" in message and change in message and "\n" not in message
     assert not (tmp_path / "hf").exists()
+
+
+# ---------------------------------------------------------------------------------------------------
+# A chat model's export: transformers' apply_chat_template renders our ids, and its greedy reply is ours
+
+TEMPLATE_TESTS = [  # a system turn, several turns, a reply already given
+    [{"role": "user", "content": "the king"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sweet love"}],
+    [{"role": "user", "content": "good night"}, {"role": "assistant", "content": "good"}, {"role": "user", "content": "fair"}],
+]
+
+
+def chat_base(kind, tmp_path, trained_run, bpe_run):
+    """A base run with each tokenizer kind we have (GPT-2's BPE: a tiny model of its 50,257 tokens)."""
+    if kind == "char":
+        return trained_run
+    if kind == "bpe":
+        return bpe_run[1]
+    gpt2_or_skip()
+    from conftest import make_text
+
+    (tmp_path / "text.txt").write_text(make_text(6000))
+    assert run_main("data/prepare.py", str(tmp_path / "text.txt"), f"--out={tmp_path / 'gpt2data'}", "--tokenizer=gpt2").returncode == 0
+    base = tmp_path / "gpt2base"
+    assert run_main("train.py", *TINY_RUN, f"--dataset={tmp_path / 'gpt2data'}", f"--out_dir={base}", "--max_iters=2").returncode == 0
+    return str(base)
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe", "gpt2"])
+def test_a_chat_models_export_renders_our_prompt_ids_and_replies_as_we_do(tmp_path, kind, trained_run, bpe_run):
+    from chat import Conversation
+    from checkpoint import load_any
+    from conftest import SFT_RUN, conversations
+    from generate import Sampling
+    from quantize import for_inference
+
+    base = chat_base(kind, tmp_path, trained_run, bpe_run)
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in conversations(30)))
+    assert run_main("data/prepare.py", str(tmp_path / "chats.jsonl"), f"--out={tmp_path / 'chats'}", f"--tokenizer_from={base}").returncode == 0
+    sft, hf_dir = tmp_path / "sft", tmp_path / "hf"
+    trained = run_main("train.py", *SFT_RUN, f"--init_from={base}", f"--dataset={tmp_path / 'chats'}", f"--out_dir={sft}",
+                       "--max_iters=3", "--eval_interval=3")
+    assert trained.returncode == 0, trained.stderr
+    exported = run_main("export.py", f"--out_dir={sft}", f"--hf_dir={hf_dir}")
+    assert exported.returncode == 0 and "the chat template and its 4 tokens" in exported.stdout, exported.stdout + exported.stderr
+    model, tokenizer, _ = load_any(str(sft))
+    theirs = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    for messages in TEMPLATE_TESTS + [c["messages"] for c in conversations(8, seed=1)]:
+        rendered = theirs.apply_chat_template(messages, add_generation_prompt=True)
+        rendered = rendered["input_ids"] if not isinstance(rendered, list) else rendered
+        assert rendered == tokenizer.render(messages, add_generation_prompt=True)[0], messages
+        assert theirs.apply_chat_template(messages, tokenize=False) == tokenizer.decode(tokenizer.render(messages)[0])
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    messages = TEMPLATE_TESTS[1]
+    prompt = tokenizer.render(messages, add_generation_prompt=True)[0]
+    out = hf_model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                            max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.end_token)[0, len(prompt):].tolist()
+    assert hf_model.generation_config.eos_token_id == tokenizer.end_token or hf_model.config.eos_token_id == tokenizer.end_token
+    out = out[: next((i for i, t in enumerate(out) if t in tokenizer.names), len(out))]
+    conversation = Conversation(for_inference(model, "float32"), tokenizer, Sampling(temperature=0), 0, system="be brief")
+    assert tokenizer.decode(out) == conversation.reply("sweet love", 6)
