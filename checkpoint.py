@@ -192,6 +192,15 @@ def load_model(out_dir):
     return model_from_checkpoint(state, path), state
 
 
+def run_tokenizer(run):
+    """The tokenizer a training run's checkpoint records (a chat model's: its base): what data/prepare.py
+    --tokenizer_from=RUN prepares conversations with."""
+    path = os.path.join(run, CHECKPOINT)
+    if not os.path.exists(path):
+        raise CheckpointError(f"--tokenizer_from={run}: no {CHECKPOINT} there; give the out_dir of the run to fine-tune")
+    return tokenizer_from_meta(load_checkpoint(path, mmap=True)["tokenizer"])
+
+
 def load_any(spec, with_tokenizer=True):
     """(model, tokenizer, checkpoint state or None) for spec: a training run's out_dir (it holds ckpt.pt),
     a Hugging Face model directory (config.json) or a pretrained name (gpt2 ... gpt2-xl). Anything else

@@ -500,10 +500,10 @@ def check_messages(messages, where="messages"):
     return out
 
 
-def read_conversations(path):
-    """The conversations of a JSON-lines file, one {"messages": [...]} per line (blank lines skipped); a
-    DataError names the line and the field."""
-    conversations = []
+def read_records(path):
+    """[(record, messages)] of a JSON-lines file, one {"messages": [...], ...} per line (blank lines
+    skipped; the record's other keys, such as eval.py's "task", kept); a DataError names the line and field."""
+    records = []
     try:
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
@@ -515,31 +515,39 @@ def read_conversations(path):
                     raise DataError(f"{path}:{n}: not JSON ({e.msg})") from None
                 if not isinstance(record, dict) or "messages" not in record:
                     raise DataError(f"{path}:{n}: expected an object with a 'messages' list")
-                conversations.append(check_messages(record["messages"], f"{path}:{n}: messages"))
+                records.append((record, check_messages(record["messages"], f"{path}:{n}: messages")))
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    return conversations
+    return records
 
 
-def prepare_conversations(conversations, tokenizer, out_dir, val_fraction=0.1):
+def read_conversations(path):
+    """The conversations (lists of messages) of a JSON-lines file: read_records' messages."""
+    return [messages for _, messages in read_records(path)]
+
+
+def prepare_conversations(conversations, tokenizer, out_dir, val_fraction=0.1, val=None):
     """Writes a chat dataset: per split, {split}.bin (the rendered conversations back to back),
     {split}_mask.bin (1 where a token is trained) and {split}_starts.npy (where each conversation begins,
     then the end); meta.json's "chat" says how many and how long. The last val_fraction of the
-    conversations (at least one) are val. A conversation without an assistant turn trains nothing: refused."""
+    conversations (at least one) are val, or val's when given. A conversation without an assistant turn
+    trains nothing: refused."""
     tokenizer = ChatTokenizer(tokenizer)
-    if len(conversations) < 2:
-        raise DataError(f"{len(conversations)} conversation(s): a chat dataset needs at least 2 (train and val)")
-    for n, messages in enumerate(conversations):
+    if val is None:
+        if not 0.0 < val_fraction < 1.0:
+            raise DataError(f"val_fraction={val_fraction} must be in (0, 1)")
+        if len(conversations) < 2:
+            raise DataError(f"{len(conversations)} conversation(s): a chat dataset needs at least 2 (train and val)")
+        n_val = max(1, round(len(conversations) * val_fraction))
+        conversations, val = conversations[:-n_val], conversations[-n_val:]
+    for n, messages in enumerate(conversations + val):
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"conversation {n}: no assistant turn, so nothing in it would be trained")
-    if not 0.0 < val_fraction < 1.0:
-        raise DataError(f"val_fraction={val_fraction} must be in (0, 1)")
-    n_val = max(1, round(len(conversations) * val_fraction))
     os.makedirs(out_dir, exist_ok=True)
     counts, stats = {}, {}
-    for split, part in (("train", conversations[:-n_val]), ("val", conversations[-n_val:])):
+    for split, part in (("train", conversations), ("val", val)):
         rendered = [tokenizer.render(m) for m in part]
         lengths = np.array([len(ids) for ids, _ in rendered], dtype=np.int64)
         ids = np.concatenate([np.array(i, dtype=np.int64) for i, _ in rendered])

@@ -13,6 +13,13 @@ token sees at least block_size - stride tokens of context (stride = block_size: 
 Bits per byte = total nats / ln 2 / the UTF-8 bytes of the scored tokens' text: comparable between a
 character model and a BPE model scored on the same text.
 
+A chat dataset's split (conversations: data/prepare.py CHATS.jsonl) scores the tokens fine-tuning trains,
+the assistants' turns, one conversation per window (as train.py's val loss). --chats=FILE answers
+conversations instead: the model replies to each one's last user turn (greedy) and the reply is compared
+with the file's last assistant turn, exact match per task (a "task" field; --chats_fewshot=K puts K
+solved examples of the same task from --chats_examples before it; a base model without a chat template
+reads them as a "User: ... / Assistant: ..." transcript and its reply ends at a newline).
+
 --tasks runs lm-evaluation-harness tasks instead (pip install -r requirements-eval.txt): harness.py scores
 each request as lm-eval's own Hugging Face backend does, so the numbers compare with published ones. Task
 data comes from the Hugging Face Hub (or its local cache); offline, write the task as a YAML file with
@@ -30,9 +37,13 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import ContextKeys, load_for
-from configurator import ConfigError, cli_main, keys_of, parse_config
-from dataset import DataError, describe_meta, hub_offline, hub_reachable, open_split, read_meta, resolve_dataset, write_json
+import generate
+from configurator import ConfigError, checked, cli_main, keys_of, parse_config
+from dataset import (ChatTokenizer, ConversationSampler, DataError, describe_meta, hub_offline, hub_reachable, is_chat_dataset,
+                     continuation, open_split, read_meta, read_records, resolve_dataset, write_json)
 from device import COMPUTE_DTYPES, DEVICES, autocast, pick_device, pick_dtype
+from generate import Sampling, check_max_new_tokens
+from quantize import for_inference
 
 
 @dataclass
@@ -51,6 +62,10 @@ class EvalConfig(ContextKeys):
     device: str = "auto"  # auto | cpu | cuda | mps
     dtype: str = "float32"  # compute dtype: float32 (exact) | auto | bfloat16 | float16
     json: str = ""  # also write the results to this JSON file
+    chats: str = ""  # a JSON-lines file of conversations: answer each last user turn, exact match against its last assistant turn
+    chats_fewshot: int = 0  # solved examples of the same task before each conversation (from chats_examples)
+    chats_examples: str = ""  # the JSON-lines file the few-shot examples come from (a train split's)
+    max_new_tokens: int = 64  # chats: the longest reply
 
 
 EVAL_CHOICES = {"device": DEVICES, "dtype": COMPUTE_DTYPES, "split": ("val", "train"),
@@ -121,8 +136,27 @@ def load_tokens(c, tokenizer, meta):
     if data_meta["tokenizer"] != meta:
         raise DataError(f"dataset {c.dataset!r} uses {describe_meta(data_meta['tokenizer'])}, but the model was "
                         f"trained with {describe_meta(meta)}; score it on text its tokenizer covers (--text) or its own dataset")
+    if is_chat_dataset(data_meta):
+        return ConversationSampler(data_dir, c.split, 1 << 62, 0, data_meta["vocab_size"])  # whole conversations
     files = open_split(data_dir, c.split, data_meta["vocab_size"])
     return torch.from_numpy(np.concatenate([f.tokens for f in files]).astype(np.int64))
+
+
+@torch.no_grad()
+def score_conversations(model, conversations, device, context):
+    """(nats, targets) over the trained targets of a chat split, each conversation in a window of its own
+    from position 0 (its first block_size + 1 tokens, as train.py sees it)."""
+    nats, targets = [], []
+    block_size = model.config.block_size
+    for start, length in conversations.convs:
+        length = min(length, block_size + 1)
+        ids = torch.from_numpy(conversations.tokens.window(start, length))
+        trained = torch.from_numpy(conversations.mask.window(start, length))[1:].bool()
+        with context:
+            logits, _ = model(ids[None, :-1].to(device))
+        nats.append(token_nats(logits, ids[None, 1:].to(device))[0].cpu()[trained])
+        targets.append(ids[1:][trained])
+    return torch.cat(nats), torch.cat(targets)
 
 
 def evaluate(c):
@@ -136,16 +170,22 @@ def evaluate(c):
     if not 1 <= stride <= model.config.block_size:
         raise ConfigError(f"stride={stride} must be in [1, block_size={model.config.block_size}]")
     tokens = load_tokens(c, tokenizer, meta)
-    if len(tokens) < 2:
+    chat = isinstance(tokens, ConversationSampler)
+    if not chat and len(tokens) < 2:
         raise DataError("fewer than 2 tokens: nothing to score")
     device = pick_device(c.device)
     dtype = pick_dtype(c.dtype, torch.device(device).type)
     model = model.to(device).eval()
-    losses, scored = score(model, tokens, stride, c.batch_size, device, autocast(torch.device(device).type, dtype))
+    context = autocast(torch.device(device).type, dtype)
+    if chat:
+        losses, scored = score_conversations(model, tokens, device, context)
+    else:
+        losses, scored = score(model, tokens, stride, c.batch_size, device, context)
     nats = losses.sum().item()
     n_bytes = int(torch.tensor(tokenizer.token_bytes(), dtype=torch.long)[scored].sum())
     return {
-        "source": c.text or f"{c.dataset}/{c.split}", "tokenizer": meta.get("kind"), "tokens": len(scored),
+        "source": c.text or f"{c.dataset}/{c.split}" + (f" (the trained tokens of {len(tokens.convs):,} conversations)" if chat else ""),
+        "tokenizer": meta.get("kind"), "tokens": len(scored),
         "bytes": n_bytes, "loss": nats / len(scored), "perplexity": math.exp(nats / len(scored)),
         "bits_per_byte": nats / math.log(2) / n_bytes if n_bytes else None, "block_size": model.config.block_size,
         "stride": stride, "dtype": dtype,
@@ -189,14 +229,82 @@ def run_tasks(c):
     return harness.run_tasks(lm, tasks, limit, c.num_fewshot, c.include_path or None)
 
 
+def read_chats(path):
+    """[(task, messages)] of a JSON-lines file; each conversation must end with the assistant's reference turn."""
+    out = []
+    for n, (record, messages) in enumerate(read_records(path)):
+        if messages[-1]["role"] != "assistant" or len(messages) < 2:
+            raise DataError(f"{path}: conversation {n}: the last message must be the assistant's reference answer, "
+                            "after a user turn")
+        out.append((str(record.get("task", "-")), messages))
+    if not out:
+        raise DataError(f"{path}: no conversations")
+    return out
+
+
+TRANSCRIPT = {"system": "System", "user": "User", "assistant": "Assistant"}  # a base model's few-shot form
+
+
+def chat_prompt(tokenizer, messages):
+    """The prompt ids for a reply after messages: the chat template where the model has one, else a
+    plain transcript ("User: ...\nAssistant: ...\n" per line, "Assistant:" last)."""
+    if isinstance(tokenizer, ChatTokenizer):
+        return tokenizer.render(messages, add_generation_prompt=True)[0]
+    return tokenizer.encode("".join(f"{TRANSCRIPT[m['role']]}: {m['content']}\n" for m in messages) + "Assistant:")
+
+
+def reply_of(tokenizer, prompt, ids):
+    """The reply's text: up to the first chat token (a chat model) or the first newline (a transcript)."""
+    if isinstance(tokenizer, ChatTokenizer):
+        ids = ids[: next((i for i, t in enumerate(ids) if t in tokenizer.names), len(ids))]
+        return continuation(tokenizer, prompt[-1:], ids)
+    return continuation(tokenizer, prompt, ids).split("\n")[0].strip()
+
+
+def answer_chats(c):
+    """Exact match of the greedy replies to --chats' conversations, per task and overall."""
+    if c.chats_fewshot < 0 or (c.chats_fewshot and not c.chats_examples):
+        raise ConfigError("chats_fewshot=K needs K >= 0 and, above 0, chats_examples=FILE to take the examples from")
+    checked(check_max_new_tokens, c.max_new_tokens)
+    conversations = read_chats(c.chats)
+    examples = {}
+    for task, messages in read_chats(c.chats_examples) if c.chats_fewshot else []:
+        examples.setdefault(task, []).append(messages)
+    model, tokenizer, _ = load_for(c)
+    device = pick_device(c.device)
+    model = for_inference(model.to(device), "float32")
+    limit = model.config.context_limit
+    rows, tasks = [], {}
+    for task, messages in conversations:
+        shots = [m for shot in examples.get(task, [])[: c.chats_fewshot] for m in shot[-2:]]  # its last exchange
+        prompt = chat_prompt(tokenizer, shots + messages[:-1])
+        if limit is not None and len(prompt) + c.max_new_tokens > limit + 1:
+            raise DataError(f"a conversation of task {task!r} needs {len(prompt)} prompt tokens and max_new_tokens={c.max_new_tokens}: "
+                            f"more than the model's context of {limit}; lower chats_fewshot or max_new_tokens")
+        eos = tokenizer.end_token if isinstance(tokenizer, ChatTokenizer) else None
+        out = generate.generate(model, torch.tensor([prompt], device=device), c.max_new_tokens, Sampling(temperature=0), eos)
+        reply = reply_of(tokenizer, prompt, out[0, len(prompt) :].tolist())
+        right = reply.strip() == messages[-1]["content"].strip()
+        rows.append({"task": task, "reply": reply, "reference": messages[-1]["content"], "exact": right})
+        tasks.setdefault(task, []).append(right)
+    table = ["| task | conversations | exact match |", "| --- | --- | --- |"]
+    table += [f"| {t} | {len(v)} | {sum(v) / len(v):.3f} |" for t, v in tasks.items()]
+    overall = sum(r["exact"] for r in rows) / len(rows)
+    table.append(f"| **all** | {len(rows)} | **{overall:.3f}** |")
+    return {"source": c.chats, "fewshot": c.chats_fewshot, "exact_match": overall,
+            "by_task": {t: sum(v) / len(v) for t, v in tasks.items()}, "table": "\n".join(table), "replies": rows}
+
+
 def main(argv=None):
     def command(argv):
         c, _ = parse_config(EvalConfig, argv, "python eval.py --out_dir=DIR [--key=value ...]",
                             __doc__.strip().splitlines()[0], keys_of(EvalConfig, EVAL_CHOICES, base=ContextKeys))
         if c.batch_size < 1:
             raise ConfigError(f"batch_size={c.batch_size} must be >= 1")
-        result = run_tasks(c) if c.tasks else evaluate(c)
-        if c.tasks:
+        if c.tasks and c.chats:
+            raise ConfigError("tasks and chats are two ways to score: give one of them")
+        result = run_tasks(c) if c.tasks else answer_chats(c) if c.chats else evaluate(c)
+        if c.tasks or c.chats:
             print(result["table"])
         else:
             print(f"{result['source']}: {result['tokens']:,} tokens, {result['bytes']:,} bytes | loss {result['loss']:.4f} "

@@ -19,6 +19,8 @@ per line (OpenAI's and Hugging Face's shape). They are rendered with the chat te
 mask: only the assistants' content and the <|end|> that closes each of their turns are trained. The last
 val_fraction of the conversations are val. --tokenizer_from=RUN takes a base run's tokenizer (the model you
 will fine-tune: python train.py --init_from=RUN --dataset=NAME); otherwise --tokenizer as for text.
+--hf_dataset=NAME reads them from a Hugging Face dataset's messages column instead (online, or a local
+dataset folder): python data/prepare.py --hf_dataset=HuggingFaceH4/no_robots --out=no_robots ...
 """
 
 import argparse
@@ -28,9 +30,10 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
+from checkpoint import run_tokenizer  # noqa: E402
 from configurator import UserError  # noqa: E402
-from dataset import (DataError, ChatTokenizer, fetch_text, prepare_conversations, prepare_text, read_conversations,  # noqa: E402
-                     summary, tokenizer_for, tokenizer_from_meta)
+from dataset import (DataError, ChatTokenizer, check_messages, fetch_text, hub_offline, hub_reachable,  # noqa: E402
+                     prepare_conversations, prepare_text, read_conversations, summary, tokenizer_for)
 
 
 def looks_like_text(path, probe=1 << 16):
@@ -70,7 +73,10 @@ def input_files(inputs):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("inputs", nargs="+", help="files, folders or globs")
+    parser.add_argument("inputs", nargs="*", help="files, folders or globs")
+    parser.add_argument("--hf_dataset", help="conversations from a Hugging Face dataset (a Hub name when online, or a local dataset folder) with a messages column")
+    parser.add_argument("--hf_split", default="train", help="--hf_dataset's split")
+    parser.add_argument("--messages_column", default="messages", help="--hf_dataset's column of conversations")
     parser.add_argument("--out", required=True, help="dataset name (written to data/NAME) or a directory path")
     parser.add_argument("--tokenizer", default="char", help="char, bpe:N (learn N tokens from your text), or a tiktoken encoding such as gpt2")
     parser.add_argument("--tokenizer_from", help="conversations: the tokenizer of this training run (its out_dir), the base model you will fine-tune")
@@ -78,6 +84,12 @@ def main():
     args = parser.parse_args()
     out_dir = args.out if os.sep in args.out else os.path.join(HERE, args.out)
     try:
+        if args.hf_dataset:
+            if args.inputs:
+                raise DataError("give files or --hf_dataset, not both")
+            return prepare_chats([], [], args, out_dir, hub_conversations(args))
+        if not args.inputs:
+            raise DataError("nothing to prepare: give files, folders or globs (or --hf_dataset=NAME for conversations)")
         files, skipped = input_files(args.inputs)
         chats = [f for f in files if f.endswith(".jsonl")]
         if chats:
@@ -94,20 +106,31 @@ def main():
     print(f"{len(files)} file(s), {summary(text, tokenizer, counts, out_dir)}")
 
 
-def run_tokenizer(run):
-    """The tokenizer a training run's checkpoint records (a chat model's: its base)."""
-    from checkpoint import CHECKPOINT, load_checkpoint
+def hub_conversations(args):
+    """The conversations of a Hugging Face dataset's messages column (OpenAI's shape, as HuggingFaceH4's
+    and most chat datasets have it), checked one by one."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError("--hf_dataset needs the datasets package: pip install datasets") from None
+    name = args.hf_dataset
+    if not os.path.isdir(name) and (hub_offline() or not hub_reachable()):
+        raise DataError(f"cannot read {name} from the Hugging Face Hub (offline: HF_DATASETS_OFFLINE/HF_HUB_OFFLINE, "
+                        "or no network); save its conversations as .jsonl where there is network and pass the file")
+    try:
+        data = datasets.load_dataset(name, split=args.hf_split)
+    except Exception as e:
+        raise DataError(f"cannot load {name} ({type(e).__name__}: {str(e)[:200]})") from None
+    if args.messages_column not in data.column_names:
+        raise DataError(f"{name}: no column {args.messages_column!r} (columns: {data.column_names}); pass --messages_column")
+    return [check_messages(m, f"{name}[{i}].{args.messages_column}") for i, m in enumerate(data[args.messages_column])]
 
-    path = os.path.join(run, CHECKPOINT)
-    if not os.path.exists(path):
-        raise DataError(f"--tokenizer_from={run}: no {CHECKPOINT} there; give the out_dir of the run to fine-tune")
-    return tokenizer_from_meta(load_checkpoint(path, mmap=True)["tokenizer"])
 
-
-def prepare_chats(files, chats, args, out_dir):
+def prepare_chats(files, chats, args, out_dir, conversations=None):
     if len(chats) != len(files):
         raise DataError(f"conversations (.jsonl) and text cannot go into one dataset: {sorted(set(files) - set(chats))[0]}")
-    conversations = [c for f in chats for c in read_conversations(f)]
+    if conversations is None:
+        conversations = [c for f in chats for c in read_conversations(f)]
     if args.tokenizer_from:
         base = run_tokenizer(args.tokenizer_from)
     else:
@@ -115,7 +138,7 @@ def prepare_chats(files, chats, args, out_dir):
         base = tokenizer_for(args.tokenizer, text, args.val_fraction)
     stats = prepare_conversations(conversations, base, out_dir, args.val_fraction)
     tokenizer = ChatTokenizer(base)
-    print(f"{len(chats)} file(s), {len(conversations):,} conversations, vocabulary of {tokenizer.vocab_size} "
+    print(f"{f'{len(chats)} file(s)' if chats else args.hf_dataset}, {len(conversations):,} conversations, vocabulary of {tokenizer.vocab_size} "
           f"({base.vocab_size} + {tokenizer.vocab_size - base.vocab_size} chat tokens): "
           + "; ".join(f"{s} has {v['conversations']:,} ({v['trained_tokens']:,} trained tokens, longest "
                       f"{v['longest']:,}, median {v['median_length']:,})" for s, v in stats.items()) + f" -> {out_dir}")

@@ -249,3 +249,135 @@ def test_bad_lora_keys_get_one_line(tmp_path, trained_run, chat_data, keys, mess
     result = run_main("train.py", *SFT_RUN, f"--init_from={trained_run}", f"--dataset={chat_data[1]}", f"--out_dir={tmp_path}",
                       "--lora_rank=4", *keys)
     assert result.returncode == 2 and message in one_error_line(result)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measuring it: eval.py on conversations, and the chat_tasks example
+
+
+def test_eval_scores_a_chat_split_on_its_trained_tokens(sft_run, chat_data):
+    from checkpoint import load_model
+
+    result = run_main("eval.py", f"--out_dir={sft_run}", "--device=cpu")
+    assert result.returncode == 0, result.stderr
+    model = load_model(sft_run)[0].eval()
+    data = chat_data[1]
+    meta = read_meta(data)
+    val = ConversationSampler(data, "val", 10**6, 0, meta["vocab_size"])
+    total = n = 0
+    with torch.no_grad():
+        for start, length in val.convs:
+            length = min(length, model.config.block_size + 1)  # as train.py sees it
+            ids = torch.from_numpy(val.tokens.window(start, length))
+            trained = torch.from_numpy(val.mask.window(start, length))[1:].bool()
+            nll = F.cross_entropy(model(ids[None, :-1])[0][0].double(), ids[1:], reduction="none")
+            total, n = total + nll[trained].sum().item(), n + int(trained.sum())
+    assert f"{n:,} tokens" in result.stdout and f"loss {total / n:.4f}" in result.stdout, result.stdout
+
+
+def test_eval_chats_gives_exact_match_per_task(tmp_path, sft_run):
+    from chat import Conversation
+    from checkpoint import load_any
+    from generate import Sampling
+    from quantize import for_inference
+
+    model, tokenizer, _ = load_any(sft_run)
+    model = for_inference(model, "float32")
+    records = []
+    for i, word in enumerate(["the", "king", "love", "night"]):
+        reply = Conversation(model, tokenizer, Sampling(temperature=0), 0).reply(word, 8)
+        answer = reply if i % 2 == 0 else reply + "x"  # two right, two wrong, by construction
+        records.append({"task": "even" if i % 2 == 0 else "odd",
+                        "messages": [{"role": "user", "content": word}, {"role": "assistant", "content": answer}]})
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    result = run_main("eval.py", f"--out_dir={sft_run}", f"--chats={tmp_path / 'chats.jsonl'}", "--max_new_tokens=8",
+                      "--device=cpu", f"--json={tmp_path / 'out.json'}")
+    assert result.returncode == 0, result.stderr
+    assert "| even | 2 | 1.000 |" in result.stdout and "| odd | 2 | 0.000 |" in result.stdout and "**0.500**" in result.stdout
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
+    bad = run_main("eval.py", f"--out_dir={sft_run}", f"--chats={tmp_path / 'bad.jsonl'}", "--device=cpu")
+    assert bad.returncode == 2 and "the last message must be the assistant's reference answer" in one_error_line(bad)
+
+
+def test_eval_chats_prompts_a_base_model_with_a_transcript(tmp_path, bpe_run):
+    from checkpoint import load_any
+
+    trained_run = bpe_run[1]  # a BPE: "User:" and "Assistant:" need characters the verse lacks
+    model, tokenizer, _ = load_any(trained_run)
+    shot = {"task": "t", "messages": [{"role": "user", "content": "the"}, {"role": "assistant", "content": "king"}]}
+    ask = {"task": "t", "messages": [{"role": "user", "content": "love"}, {"role": "assistant", "content": "night"}]}
+    for name, record in (("shots", shot), ("ask", ask)):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(record) + "\n")
+    result = run_main("eval.py", f"--out_dir={trained_run}", f"--chats={tmp_path / 'ask.jsonl'}", "--chats_fewshot=1",
+                      f"--chats_examples={tmp_path / 'shots.jsonl'}", "--max_new_tokens=1", "--device=cpu",
+                      f"--json={tmp_path / 'out.json'}")
+    assert result.returncode == 0, result.stderr
+    from eval import chat_prompt
+
+    prompt = chat_prompt(tokenizer, shot["messages"] + ask["messages"][:-1])
+    assert tokenizer.decode(prompt) == "User: the\nAssistant: king\nUser: love\nAssistant:"
+    out = model.eval().generate(torch.tensor([prompt]), 1, __import__("generate").Sampling(temperature=0))
+    expected = tokenizer.decode(out[0, len(prompt):].tolist()).split("\n")[0].strip()
+    assert json.loads((tmp_path / "out.json").read_text())["replies"][0]["reply"] == expected
+
+
+PLAY = """KING:
+The night is long and full of dread,
+Yet love shall keep the crown.
+
+QUEEN:
+Speak softly, for the king is weary.
+Good night, sweet lord of mine.
+
+"""
+
+
+def test_chat_tasks_are_right_by_construction_and_hold_out_their_val(tmp_path):
+    import importlib.util
+
+    (tmp_path / "play.txt").write_text(PLAY * 40 + PLAY.replace("KING", "FOOL").replace("QUEEN", "KING") * 4)
+    result = run_main("data/chat_tasks/prepare.py", f"--input={tmp_path / 'play.txt'}", f"--out_dir={tmp_path}",
+                      "--train=200", "--val=50")
+    assert result.returncode == 0, result.stderr
+    spec = importlib.util.spec_from_file_location("chat_tasks", str(__import__("conftest").ROOT / "data/chat_tasks/prepare.py"))
+    tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks)
+    splits = {s: [json.loads(line) for line in (tmp_path / f"{s}.jsonl").read_text().splitlines()] for s in ("train", "val")}
+    assert len(splits["train"]) == 200 and len(splits["val"]) == 50
+    seen = {}
+    for split, records in splits.items():
+        for r in records:
+            question, answer = r["messages"][-2]["content"], r["messages"][-1]["content"]
+            task = r["task"]
+            if task == "reverse":
+                word = question.split()[1]
+                assert answer == word[::-1]
+                seen.setdefault((split, "word"), set()).add(word)
+            elif task == "shout":
+                assert answer == question.removeprefix("shout ").upper()
+            elif task == "add":
+                a, b = question.split(" plus ")
+                assert tasks.NUMBERS.index(answer) == tasks.NUMBERS.index(a) + tasks.NUMBERS.index(b)
+                seen.setdefault((split, "sum"), set()).add(question)
+            elif task == "count":
+                assert tasks.NUMBERS.index(answer) == len(question.removeprefix("count the words: ").split())
+            else:
+                assert question.startswith("Who says: ") and answer in ("KING", "QUEEN", "FOOL")
+    assert not seen["val", "word"] & seen["train", "word"] and not seen["val", "sum"] & seen["train", "sum"]
+    assert {r["messages"][-1]["content"] for r in splits["val"] if r["task"] == "speaker"} <= {"KING", "QUEEN"}  # seen in train (no FOOL)
+
+
+def test_conversations_from_a_hugging_face_dataset(tmp_path, trained_run):
+    pytest.importorskip("datasets")
+    folder = tmp_path / "hub_like"
+    folder.mkdir()
+    rows = [{"prompt_id": i, **c} for i, c in enumerate(conversations(20))]
+    (folder / "train.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k != "task"}) + "\n" for r in rows))
+    result = run_main("data/prepare.py", f"--hf_dataset={folder}", f"--out={tmp_path / 'out'}", f"--tokenizer_from={trained_run}")
+    assert result.returncode == 0 and "20 conversations" in result.stdout, result.stderr
+    from_file = tmp_path / "chats.jsonl"
+    from_file.write_text("".join(json.dumps(c) + "\n" for c in conversations(20)))
+    assert run_main("data/prepare.py", str(from_file), f"--out={tmp_path / 'same'}", f"--tokenizer_from={trained_run}").returncode == 0
+    assert (tmp_path / "out" / "train.bin").read_bytes() == (tmp_path / "same" / "train.bin").read_bytes()
+    offline = run_main("data/prepare.py", "--hf_dataset=HuggingFaceH4/no_robots", f"--out={tmp_path / 'x'}")
+    assert offline.returncode == 1 and "cannot read HuggingFaceH4/no_robots from the Hugging Face Hub" in offline.stderr

@@ -138,3 +138,19 @@ def test_a_silent_worker_ends_the_job_after_dist_timeout(tmp_path, char_dataset)
     assert silent in output and "Timed out" in output and "restart with --init_from=auto" in output, output[-3000:]
     assert seconds < 60 and code != 0  # "Timed out" above: the timeout ended it (its wait may start before the stop)
     assert load_checkpoint(str(tmp_path / "ckpt.pt"))["iter_num"] == 20
+
+
+def test_ddp_fine_tuning_on_conversations_matches_one_process(tmp_path, trained_run, chat_data):
+    """SFT with LoRA: 2 processes x 2 micro-batches = 1 process x 4, though each micro-batch holds another
+    count of trained tokens (the loss is normalised by the whole step's count, over both processes)."""
+    from conftest import SFT_RUN
+
+    keys = [*SFT_RUN, f"--init_from={trained_run}", f"--dataset={chat_data[1]}", "--max_iters=4", "--eval_interval=4",
+            "--gradient_accumulation_steps=4", "--lora_rank=4", "--lora_targets=all"]
+    one = run_script("train.py", *keys, f"--out_dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run_script("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py", *keys,
+                     f"--out_dir={tmp_path / 'two'}", env={"OMP_NUM_THREADS": "1"})
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = step_losses(tmp_path / "one"), step_losses(tmp_path / "two")
+    assert len(a) == len(b) == 4 and max(abs(x - y) for x, y in zip(a, b)) <= 1e-5 and a[0] != a[-1]

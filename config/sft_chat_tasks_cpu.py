@@ -1,0 +1,18 @@
+# Supervised fine-tuning of the Quick start's character model on data/chat_tasks (conversations), on a CPU.
+# python data/chat_tasks/prepare.py --tokenizer_from=out-shakespeare-char-cpu && python train.py config/sft_chat_tasks_cpu.py
+# LoRA instead of every weight: add --lora_rank=8 --learning_rate=1e-2 --out_dir=out-chat-tasks-lora
+init_from = "out-shakespeare-char-cpu"
+dataset = "chat_tasks"
+out_dir = "out-chat-tasks"
+eval_interval = 200
+eval_iters = 20
+log_interval = 50
+
+batch_size = 32  # conversations per step (each a padded row)
+optimizer = "adamw"
+learning_rate = 2e-3
+min_lr = 2e-4
+warmup_iters = 30
+max_iters = 600
+weight_decay = 0.0
+beta2 = 0.99

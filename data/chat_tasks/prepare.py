@@ -1,0 +1,128 @@
+"""Conversations made from Tiny Shakespeare, for fine-tuning the Quick start's character model to chat.
+
+  python data/chat_tasks/prepare.py --tokenizer_from=out-shakespeare-char-cpu
+  python train.py config/sft_chat_tasks_cpu.py                    # full fine-tuning (or --lora_rank=8)
+  python eval.py --out_dir=out-chat-tasks --chats=data/chat_tasks/val.jsonl
+  python chat.py --out_dir=out-chat-tasks --temperature=0
+
+Five tasks, all in the characters Tiny Shakespeare has (it has one digit, so numbers are words):
+  speaker   "Who says: <a line>"                -> its speaker, as the play names them ("ROMEO")
+  reverse   "reverse <word>"                     -> the word backwards
+  shout     "shout <two words>"                  -> them in capitals
+  add       "<number> plus <number>"             -> the sum (zero to eighteen)
+  count     "count the words: <a line>"          -> how many (two to nine)
+A third of the conversations open with a system turn, a quarter of the training ones hold two exchanges.
+Held out for val: lines from the text's last tenth (speaker, count), a tenth of the words (reverse,
+shout), 20 of the 100 sums (add). The next line of a speech is not a task: on held-out text its exact
+match is about 0 for any model of this size, so it would measure nothing.
+
+Writes train.jsonl and val.jsonl here (a "task" field beside "messages": what eval.py --chats scores per
+task) and, with --tokenizer_from, the dataset data/chat_tasks that train.py reads (data/prepare.py's).
+"""
+
+import argparse
+import json
+import os
+import random
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
+from checkpoint import run_tokenizer  # noqa: E402
+from configurator import UserError  # noqa: E402
+from dataset import fetch_text, prepare_conversations  # noqa: E402
+
+URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+QUICK_START_TEXT = os.path.join(HERE, "..", "shakespeare_char", "input.txt")  # the Quick start downloaded it there
+NUMBERS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+           "seventeen eighteen").split()
+SYSTEM = "Answer in as few words as you can."
+
+
+def speeches(text):
+    """[(speaker, [lines])] of a play's text: a "NAME:" line, then its lines up to a blank one."""
+    out = []
+    for block in text.split("\n\n"):
+        lines = block.strip("\n").split("\n")
+        if len(lines) >= 2 and lines[0].endswith(":") and 0 < len(lines[0]) < 30:
+            out.append((lines[0][:-1], lines[1:]))
+    return out
+
+
+def make_tasks(text, rng, n_train, n_val):
+    """(train, val): lists of {"task", "messages"}."""
+    cut = int(len(text) * 0.9)
+    parts = {"train": speeches(text[:cut]), "val": speeches(text[cut:])}
+    common = {s for s, _ in parts["train"]}  # speakers of val lines must be ones training has seen
+    lines = {split: [(s, line) for s, ls in sp for line in ls if 3 <= len(line.split()) <= 9 and len(line) <= 48
+                     and (split == "train" or s in common)] for split, sp in parts.items()}
+    words = sorted({w for w in text.lower().split() if w.isalpha() and 3 <= len(w) <= 7})
+    rng.shuffle(words)
+    held = max(1, len(words) // 10)
+    vocab = {"val": words[:held], "train": words[held:]}
+    sums = [(a, b) for a in range(10) for b in range(10)]
+    rng.shuffle(sums)
+    pairs = {"val": sums[:20], "train": sums[20:]}
+
+    def exchange(task, split):
+        if task == "speaker":
+            speaker, line = rng.choice(lines[split])
+            return f"Who says: {line}", speaker
+        if task == "reverse":
+            word = rng.choice(vocab[split])
+            return f"reverse {word}", word[::-1]
+        if task == "shout":
+            a, b = rng.choice(vocab[split]), rng.choice(vocab[split])
+            return f"shout {a} {b}", f"{a} {b}".upper()
+        if task == "add":
+            a, b = rng.choice(pairs[split])
+            return f"{NUMBERS[a]} plus {NUMBERS[b]}", NUMBERS[a + b]
+        _, line = rng.choice(lines[split])
+        return f"count the words: {line}", NUMBERS[len(line.split())]
+
+    tasks = ("speaker", "reverse", "shout", "add", "count")
+    out = {}
+    for split, n in (("train", n_train), ("val", n_val)):
+        conversations = []
+        for i in range(n):
+            task = tasks[i % len(tasks)]
+            messages = [{"role": "system", "content": SYSTEM}] if rng.random() < 1 / 3 else []
+            if split == "train" and rng.random() < 0.25:  # an earlier exchange, of any task
+                question, answer = exchange(rng.choice(tasks), split)
+                messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            question, answer = exchange(task, split)
+            messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+            conversations.append({"task": task, "messages": messages})
+        out[split] = conversations
+    return out["train"], out["val"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", help="Tiny Shakespeare's text (default: the Quick start's copy, else a download)")
+    parser.add_argument("--tokenizer_from", help="the base run whose tokenizer the dataset uses (the Quick start's out_dir)")
+    parser.add_argument("--out_dir", default=HERE, help="where train.jsonl, val.jsonl and the dataset go")
+    parser.add_argument("--train", type=int, default=5000, help="training conversations")
+    parser.add_argument("--val", type=int, default=250, help="held-out conversations (50 per task)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    try:
+        path = args.input or (QUICK_START_TEXT if os.path.exists(QUICK_START_TEXT) else None)
+        text = fetch_text(path, URL, os.path.join(HERE, "input.txt"))
+        train, val = make_tasks(text, random.Random(args.seed), args.train, args.val)
+        os.makedirs(args.out_dir, exist_ok=True)
+        for name, conversations in (("train", train), ("val", val)):
+            with open(os.path.join(args.out_dir, f"{name}.jsonl"), "w") as f:
+                f.writelines(json.dumps(c) + "\n" for c in conversations)
+        print(f"{len(train):,} train and {len(val):,} val conversations -> {args.out_dir}/{{train,val}}.jsonl")
+        if args.tokenizer_from:
+            stats = prepare_conversations([c["messages"] for c in train], run_tokenizer(args.tokenizer_from), args.out_dir,
+                                          val=[c["messages"] for c in val])
+            print(f"dataset: {stats['train']['trained_tokens']:,} trained tokens in train, longest conversation "
+                  f"{max(s['longest'] for s in stats.values())} tokens -> {args.out_dir}")
+    except UserError as e:  # DataError, or a checkpoint's error for --tokenizer_from
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()
