@@ -409,8 +409,8 @@ class Run:
         mine = slice(world.rank * micro_steps * c.batch_size, (world.rank + 1) * micro_steps * c.batch_size)
         x_mine, y_mine = self.train_batches.sample(c.gradient_accumulation_steps * c.batch_size, mine)
         normalizer = None  # conversations: each micro-batch's summed loss over the step's mean count of trained targets
-        if self.chat:
-            trained = world.sum((y_mine != -1).sum().to(self.device, torch.float32))
+        if self.chat:  # counted on the host, copied without a sync (pinned), summed over the processes
+            trained = world.sum(self.to_device((y_mine != -1).sum().to(torch.float32)))
             normalizer = trained.clamp_min(1) / (micro_steps * world.size)
         loss_sum = torch.zeros((), device=self.device)
         ce_sum = torch.zeros((), device=self.device)

@@ -1,5 +1,6 @@
 """The device tier: every user-facing path on a CUDA GPU (train.py with compile, DDP and FSDP2 under torchrun,
 each resumed; stability and head logging; sample.py sampled, greedy and with both drafts; serve.py's engine;
+fine-tuning on conversations (full and LoRA, compiled, resumed) with chat.py and eval.py --chats;
 eval.py; interpret.py; bench.py), and no host synchronisation inside a training step. Skips, saying why,
 where there is no GPU; ../shared/gpu-check.sh runs it on a lent one. The GPU machine has torch, tiktoken and
 transformers but no fastapi, datasets or wandb: nothing here needs them."""
@@ -9,11 +10,12 @@ import json
 import pytest
 import torch
 
-from conftest import TINY_RUN, read_metrics, run_main, run_script
+from conftest import SFT_RUN, TINY_RUN, read_metrics, run_main, run_script
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here: the device tier runs on a GPU "
                                 "(../shared/gpu-check.sh)")
 CUDA = [a for a in TINY_RUN if not a.startswith(("--device", "--dtype"))] + ["--device=cuda", "--dtype=auto"]
+SFT_CUDA = [a for a in SFT_RUN if not a.startswith(("--device", "--dtype"))] + ["--device=cuda", "--dtype=auto"]
 
 
 def ok(result):
@@ -141,13 +143,18 @@ def test_bench_on_the_gpu(tmp_path, what):
     assert floats and all(v == v and v >= 0 for v in floats), result  # measured, finite
 
 
-def test_a_training_step_makes_no_host_synchronisation(char_dataset, tmp_path):
+@pytest.mark.parametrize("what", ["pretraining", "fine-tuning"])
+def test_a_training_step_makes_no_host_synchronisation(char_dataset, tmp_path, what, request):
     """Between two log lines a step must not wait for the GPU: torch.cuda.set_sync_debug_mode("error")
-    raises on any synchronising call (an .item(), a boolean index, a pageable copy)."""
+    raises on any synchronising call (an .item(), a boolean index, a pageable copy). Fine-tuning on
+    conversations counts the step's trained tokens on the host and copies the count pinned."""
     import train
     from configurator import parse
 
-    values, explicit = parse(train.config_keys(), [*CUDA, f"--dataset={char_dataset}", f"--out_dir={tmp_path}"])
+    keys = [*CUDA, f"--dataset={char_dataset}"]
+    if what == "fine-tuning":
+        keys = [*SFT_CUDA, f"--init_from={request.getfixturevalue('trained_run')}", f"--dataset={request.getfixturevalue('chat_data')[1]}"]
+    values, explicit = parse(train.config_keys(), [*keys, f"--out_dir={tmp_path}"])
     c = train.TrainConfig(**values)
     run = train.Run(c, explicit, None)
     run.wrap()
@@ -213,3 +220,23 @@ def test_compiled_static_decoding_of_windows_and_linear_layers_gives_the_eager_t
     g = gens()
     static = generate.generate(model, idx, 20, sampling, generator=g, step=generate.StaticDecode(model, sampling, g))
     assert torch.equal(eager, static)
+
+
+@pytest.mark.parametrize("lora", [[], ["--lora_rank=4", "--lora_targets=all"]])
+def test_fine_tuning_on_conversations_on_the_gpu_compiled_resumed_then_chat(tmp_path, trained_run, chat_data, lora):
+    """SFT (and LoRA) on the GPU with torch.compile, resumed exactly; then chat.py and eval.py --chats on the
+    GPU give the CPU's greedy replies."""
+    keys = [*SFT_CUDA, f"--init_from={trained_run}", f"--dataset={chat_data[1]}", "--compile=True", *lora]
+    ok(run_main("train.py", *keys, f"--out_dir={tmp_path / 'whole'}", "--max_iters=6", "--eval_interval=3"))
+    ok(run_main("train.py", *keys, f"--out_dir={tmp_path / 'cut'}", "--max_iters=3", "--eval_interval=3", "--lr_decay_iters=6"))
+    ok(run_main("train.py", f"--out_dir={tmp_path / 'cut'}", "--init_from=resume", "--max_iters=6"))
+    whole, cut = ([r["loss"] for r in read_metrics(tmp_path / d) if "loss" in r] for d in ("whole", "cut"))
+    assert max(abs(a - b) for a, b in zip(whole, cut)) <= 1e-4 and len(whole) == len(cut) == 6
+    replies = {d: ok(run_main("chat.py", f"--out_dir={tmp_path / 'whole'}", "--prompt=the king", "--temperature=0",
+                              "--max_new_tokens=8", f"--device={d}", "--weights_dtype=float32")).stdout for d in ("cuda", "cpu")}
+    assert replies["cuda"] == replies["cpu"]
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"task": "t", "messages": [{"role": "user", "content": "the king"},
+                                                                                  {"role": "assistant", "content": replies["cpu"].strip()}]}) + "\n")
+    scored = ok(run_main("eval.py", f"--out_dir={tmp_path / 'whole'}", f"--chats={tmp_path / 'chats.jsonl'}",
+                         "--max_new_tokens=8", "--device=cuda"))
+    assert "**1.000**" in scored.stdout
