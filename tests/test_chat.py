@@ -381,3 +381,18 @@ def test_conversations_from_a_hugging_face_dataset(tmp_path, trained_run):
     assert (tmp_path / "out" / "train.bin").read_bytes() == (tmp_path / "same" / "train.bin").read_bytes()
     offline = run_main("data/prepare.py", "--hf_dataset=HuggingFaceH4/no_robots", f"--out={tmp_path / 'x'}")
     assert offline.returncode == 1 and "cannot read HuggingFaceH4/no_robots from the Hugging Face Hub" in offline.stderr
+
+
+def test_the_interactive_chat_streams_clears_and_exits(sft_run, monkeypatch, capsys):
+    import builtins
+
+    import chat
+
+    lines = iter(["the king", "/clear", "", "the king", "/exit", "never read"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    chat.main([f"--out_dir={sft_run}", "--temperature=0", "--max_new_tokens=6", "--device=cpu"])
+    out, err = capsys.readouterr()
+    replies = out.split("\n")[:2]
+    assert replies[0] == replies[1]  # after /clear the same greedy reply to the same first turn
+    assert "(a new conversation)" in err and "/clear starts over, /exit ends" in err
+    assert next(lines) == "never read"
