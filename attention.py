@@ -638,6 +638,91 @@ def linear_attention_chunk(q, k, rq, rk, v, state, eps=1e-6):
     return numerator / (denominator[..., None] + eps), (S, z)
 
 
+class StaticDecayState(StaticRows):
+    """A decaying linear layer's state for a compiled decode step, updated in place."""
+
+    fields = ("S",)
+
+    def __init__(self, S):
+        self.S = S
+
+
+class RetentionAttention(LinearAttention):
+    """Linear attention that forgets at a fixed rate per head: RetNet's retention (Sun et al. 2023). Per
+    head h, with gamma_h = 1 - 2^(-5 - h) (RetNet's: the state's memory spans about 32, 64, ... tokens),
+
+        S_i = gamma_h S_{i-1} + k_i^T v_i   (d x d),   y_i = q_i S_i,   i.e.   y_i = sum_{j<=i} gamma_h^(i-j) (q_i . k_j) v_j
+
+    with k scaled by d^-1/2 and no denominator; each head's output then goes through an RMSNorm (RetNet's
+    GroupNorm per head: a head whose memory is long sums more values). Training and prefill go chunk by
+    chunk (retention_chunk: the decay matrix inside a chunk, the state across chunks); a decoded token
+    updates the state, so the cache is the state alone, the same at any length. RoPE rotates q and k (the
+    xPos of RetNet without its length extrapolation factor); no bias-based positions (ALiBi, T5). Keys
+    and values shared by a query group (GQA) are repeated per query head. Computed in fp32."""
+
+    letter, description = "D", "linear attention with a fixed decay per head (RetNet's retention)"
+    StaticCache = StaticDecayState
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.register_buffer("log_gamma", torch.log1p(-(2.0 ** (-5.0 - torch.arange(self.n_head, dtype=torch.float64)))).float(),
+                             persistent=False)
+        self.out_norm = nn.RMSNorm(self.head_dim, eps=1e-6)
+
+    def features(self, q, k, v):
+        groups = self.n_head // self.n_kv_head
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        return q.float(), k.float() * self.head_dim**-0.5, v.float()
+
+    def mix(self, q, k, v, gates, start, mask, cache, positions):
+        dtype = v.dtype
+        with torch.autocast(q.device.type, enabled=False):
+            q, k, v = self.features(q, k, v)
+            q, k = positions.rotate(q, k, start)
+            state = None if cache is None or cache.state is None else cache.state[0]
+            ys = []
+            for a in range(0, q.size(2), self.chunk):
+                part = slice(a, a + self.chunk)
+                y, state = retention_chunk(q[:, :, part], k[:, :, part], v[:, :, part], self.log_gamma, state)
+                ys.append(y)
+            y = self.out_norm(torch.cat(ys, dim=2))
+        if cache is not None:
+            cache.update(start + q.size(2), (state,))
+        return y.to(dtype)
+
+    def static_cache(self, cache, length, max_len):
+        return self.StaticCache(cache.state[0].clone())
+
+    def step(self, q, k, v, gates, pos, cache, positions):
+        dtype = v.dtype
+        with torch.autocast(q.device.type, enabled=False):
+            q, k, v = self.features(q, k, v)
+            q, k = positions.rotate_at(q, k, pos)
+            y, S = retention_chunk(q, k, v, self.log_gamma, cache.S)
+            cache.S.copy_(S)
+            y = self.out_norm(y)
+        return y.to(dtype)
+
+
+def retention_chunk(q, k, v, log_gamma, state):
+    """Retention over one chunk (B, H, T, D) after `state` S (B, H, D, D), or None at the start; log_gamma
+    (H,) each head's log decay. Returns the outputs and the state after the chunk:
+    y_i = sum_{j<=i in the chunk} gamma^(i-j) (q_i . k_j) v_j + gamma^(i+1) q_i S,
+    S' = gamma^T S + sum_j gamma^(T-1-j) k_j^T v_j."""
+    T = q.size(2)
+    i = torch.arange(T, device=q.device, dtype=log_gamma.dtype)
+    lg = log_gamma[:, None]  # (H, 1)
+    offsets = i[:, None] - i[None, :]  # (T, T): i - j
+    decay = torch.exp(lg[..., None] * offsets.clamp_min(0)) * (offsets >= 0)  # (H, T, T): gamma^(i-j), 0 above
+    y = ((q @ k.transpose(-2, -1)) * decay) @ v
+    to_end = torch.exp(lg * (T - 1 - i))  # (H, T): gamma^(T-1-j)
+    S = (k * to_end[..., None]).transpose(-2, -1) @ v
+    if state is not None:
+        y = y + (q * torch.exp(lg * (i + 1))[..., None]) @ state
+        S = S + torch.exp(lg * T)[..., None] * state
+    return y, S
+
+
 # ----------------------------------------------------------------------------------------------------
 # The registry, and what the model asks of a pattern
 
@@ -664,7 +749,7 @@ def register(kind):
     return kind
 
 
-for _kind in (FullAttention, SlidingWindowAttention, LinearAttention):
+for _kind in (FullAttention, SlidingWindowAttention, LinearAttention, RetentionAttention):
     register(_kind)
 
 

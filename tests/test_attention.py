@@ -122,7 +122,7 @@ def cache_bytes_while_decoding(model, n):
     return held
 
 
-@pytest.mark.parametrize("pattern", ["S", "R", "SR"])
+@pytest.mark.parametrize("pattern", ["S", "R", "SR", "D"])
 def test_cache_memory_is_bounded_by_the_window_or_the_state(pattern):
     model = build(pos_emb="rope", attn_pattern=pattern, attn_window=8 if "S" in pattern else None)
     held = cache_bytes_while_decoding(model, 4 * 32)
@@ -159,10 +159,11 @@ def test_linear_attention_chunk_is_the_causal_sum():
     torch.testing.assert_close(z, k.sum(2))
 
 
+@pytest.mark.parametrize("letter", ["R", "D"])
 @pytest.mark.parametrize("pos_emb", ["rope", "none", "learned", "sinusoidal"])
-def test_linear_attention_recurrent_decode_equals_parallel_form(pos_emb):
+def test_linear_attention_recurrent_decode_equals_parallel_form(pos_emb, letter):
     # block_size 160 spans three chunks of 64 in the parallel form; decoding carries only the state
-    model = build(pos_emb=pos_emb, block_size=160, n_kv_head=2, attn_pattern="RL" if pos_emb == "learned" else "R")
+    model = build(pos_emb=pos_emb, block_size=160, n_kv_head=2, attn_pattern=letter + "L" if pos_emb == "learned" else letter)
     idx = torch.randint(0, 61, (2, 160))
     parallel = model(idx)[0]
     cache = model.new_cache()
@@ -171,9 +172,10 @@ def test_linear_attention_recurrent_decode_equals_parallel_form(pos_emb):
     torch.testing.assert_close(torch.cat(steps, dim=1), parallel, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("letter", ["R", "D"])
 @pytest.mark.parametrize("pos_emb", ["rope", "none"])
-def test_linear_model_decodes_past_block_size_one_step_per_token(pos_emb):
-    model = build(pos_emb=pos_emb, attn_pattern="R", n_kv_head=2)
+def test_linear_model_decodes_past_block_size_one_step_per_token(pos_emb, letter):
+    model = build(pos_emb=pos_emb, attn_pattern=letter, n_kv_head=2)
     prompt = torch.randint(0, 61, (2, 5))
     sizes = steps_of(model)
     cached = model.generate(prompt, 3 * 32, GREEDY)
@@ -201,8 +203,9 @@ def test_linear_state_cannot_roll_back_and_speculation_says_so():
         speculative.generate(model, torch.zeros(1, 3, dtype=torch.long), 5, GREEDY, speculative.NgramDraft())
 
 
-def test_linear_attention_trains():
-    model = build(pos_emb="rope", attn_pattern="RL").train()
+@pytest.mark.parametrize("pattern", ["RL", "DL"])
+def test_linear_attention_trains(pattern):
+    model = build(pos_emb="rope", attn_pattern=pattern).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     idx = torch.randint(0, 61, (4, 32))
     losses = []
@@ -378,3 +381,50 @@ def test_flex_attention_forward_equals_sdpa_with_the_dense_mask(monkeypatch, cas
 
 
 real_flex = attention.attention_flex
+
+
+# ---------------------------------------------------------------------------------------------------
+# Retention (D): linear attention with a fixed decay per head
+
+
+def naive_retention(q, k, v, gamma):
+    """y_i = sum_{j<=i} gamma_h^(i-j) (q_i . k_j) v_j, token by token, as written in RetNet."""
+    B, H, T, D = q.shape
+    y = torch.zeros_like(v)
+    for i in range(T):
+        for j in range(i + 1):
+            w = gamma[None, :, None] ** (i - j) * (q[:, :, i] * k[:, :, j]).sum(-1, keepdim=True)
+            y[:, :, i] += w * v[:, :, j]
+    return y
+
+
+def test_retentions_chunked_form_is_its_recurrence_and_the_naive_sum():
+    from attention import retention_chunk
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 70, 5, generator=g, dtype=torch.float64) for _ in range(3))
+    log_gamma = torch.log1p(-(2.0 ** (-1.0 - torch.arange(3, dtype=torch.float64))))  # short memories: the decay shows
+    expected = naive_retention(q, k, v, log_gamma.exp())
+    state, chunked = None, []
+    for a in range(0, 70, 16):  # chunks of 16, the state carried across
+        y, state = retention_chunk(q[:, :, a : a + 16], k[:, :, a : a + 16], v[:, :, a : a + 16], log_gamma, state)
+        chunked.append(y)
+    torch.testing.assert_close(torch.cat(chunked, 2), expected, rtol=0, atol=1e-10)
+    S = torch.zeros(2, 3, 5, 5, dtype=torch.float64)
+    recurrent = []
+    for t in range(70):  # one token at a time: S = gamma S + k^T v, y = q S
+        S = log_gamma.exp()[None, :, None, None] * S + k[:, :, t, :, None] * v[:, :, t, None, :]
+        recurrent.append((q[:, :, t, None] @ S))
+    torch.testing.assert_close(torch.cat(recurrent, 2), expected, rtol=0, atol=1e-10)
+    torch.testing.assert_close(state, S, rtol=0, atol=1e-10)
+
+
+def test_retention_refuses_bias_positions_and_speculation():
+    import speculative
+    from configurator import ConfigError
+
+    with pytest.raises(ValueError, match="never form the score matrix that pos_emb='alibi'"):
+        GPTConfig(n_layer=1, n_head=2, n_embd=16, attn_pattern="D", pos_emb="alibi")
+    model = build(pos_emb="rope", attn_pattern="DL")
+    with pytest.raises(ConfigError, match="D \\(linear attention with a fixed decay per head"):
+        speculative.generate(model, torch.zeros(1, 3, dtype=torch.long), 5, GREEDY, speculative.NgramDraft())

@@ -164,6 +164,7 @@ STATIC_CASES = {
     "t5": dict(pos_emb="t5"), "sinusoidal": dict(pos_emb="sinusoidal"),
     "window and full": dict(pos_emb="rope", attn_pattern="SL", attn_window=5),
     "linear and window, past block_size": dict(pos_emb="rope", attn_pattern="RS", attn_window=6),
+    "retention and full": dict(pos_emb="rope", attn_pattern="DL"),
 }  # fmt: skip
 
 
