@@ -65,7 +65,7 @@ class EvalConfig(ContextKeys):
     chats: str = ""  # a JSON-lines file of conversations: answer each last user turn, exact match against its last assistant turn
     chats_fewshot: int = 0  # solved examples of the same task before each conversation (from chats_examples)
     chats_examples: str = ""  # the JSON-lines file the few-shot examples come from (a train split's)
-    max_new_tokens: int = 64  # chats: the longest reply
+    max_new_tokens: int = 64  # chats: the longest reply (it also ends at the model's context)
 
 
 EVAL_CHOICES = {"device": DEVICES, "dtype": COMPUTE_DTYPES, "split": ("val", "train"),
@@ -278,11 +278,12 @@ def answer_chats(c):
     for task, messages in conversations:
         shots = [m for shot in examples.get(task, [])[: c.chats_fewshot] for m in shot[-2:]]  # its last exchange
         prompt = chat_prompt(tokenizer, shots + messages[:-1])
-        if limit is not None and len(prompt) + c.max_new_tokens > limit + 1:
-            raise DataError(f"a conversation of task {task!r} needs {len(prompt)} prompt tokens and max_new_tokens={c.max_new_tokens}: "
-                            f"more than the model's context of {limit}; lower chats_fewshot or max_new_tokens")
+        if limit is not None and len(prompt) >= limit:
+            raise DataError(f"a conversation of task {task!r} needs {len(prompt)} prompt tokens, no fewer than the model's "
+                            f"context of {limit}: no room for a reply; lower chats_fewshot or raise block_size")
+        room = c.max_new_tokens if limit is None else min(c.max_new_tokens, limit + 1 - len(prompt))  # as chat.py's
         eos = tokenizer.end_token if isinstance(tokenizer, ChatTokenizer) else None
-        out = generate.generate(model, torch.tensor([prompt], device=device), c.max_new_tokens, Sampling(temperature=0), eos)
+        out = generate.generate(model, torch.tensor([prompt], device=device), room, Sampling(temperature=0), eos)
         reply = reply_of(tokenizer, prompt, out[0, len(prompt) :].tolist())
         right = reply.strip() == messages[-1]["content"].strip()
         rows.append({"task": task, "reply": reply, "reference": messages[-1]["content"], "exact": right})
