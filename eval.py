@@ -278,8 +278,8 @@ def answer_chats(c):
     for task, messages in conversations:
         shots = [m for shot in examples.get(task, [])[: c.chats_fewshot] for m in shot[-2:]]  # its last exchange
         prompt = chat_prompt(tokenizer, shots + messages[:-1])
-        if limit is not None and len(prompt) >= limit:
-            raise DataError(f"a conversation of task {task!r} needs {len(prompt)} prompt tokens, no fewer than the model's "
+        if limit is not None and len(prompt) > limit:
+            raise DataError(f"a conversation of task {task!r} needs {len(prompt)} prompt tokens, more than the model's "
                             f"context of {limit}: no room for a reply; lower chats_fewshot or raise block_size")
         room = c.max_new_tokens if limit is None else min(c.max_new_tokens, limit + 1 - len(prompt))  # as chat.py's
         eos = tokenizer.end_token if isinstance(tokenizer, ChatTokenizer) else None
