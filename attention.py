@@ -723,6 +723,35 @@ def retention_chunk(q, k, v, log_gamma, state):
     return y, S
 
 
+def gated_delta_chunk(q, k, v, g, beta, state):
+    """The gated delta rule (Yang et al. 2024, Gated DeltaNet; Qwen3-Next's linear layers) over one chunk:
+    q, k (B, H, T, Dk), v (B, H, T, Dv), g (B, H, T) the log forget gate (<= 0), beta (B, H, T) the write
+    strength in (0, 1), state S (B, H, Dk, Dv) before the chunk (None: zeros). Per token,
+
+        S_t = a_t S_{t-1} + k_t u_t^T,   u_t = beta_t (v_t - k_t^T a_t S_{t-1}),   y_t = q_t^T S_t     (a_t = e^{g_t})
+
+    the state corrected toward v_t for the key k_t (the delta rule) after forgetting by a_t. In a chunk,
+    with c_t the cumulative log gate from the chunk's start, the corrections U solve the unit lower
+    triangular system (I + A) U = beta V - (beta e^c K) S, A_tj = beta_t e^{c_t - c_j} (k_t . k_j) for j < t
+    (the UT/WY form), then y_t = e^{c_t} q_t^T S + sum_{j<=t} e^{c_t - c_j} (q_t . k_j) u_j and the state is
+    e^{c_T} S + sum_j e^{c_T - c_j} k_j u_j^T. Returns (y, the state after the chunk). Queries and keys
+    arrive as the layer wants them (L2-normalised, q scaled): nothing is normalised here."""
+    T = q.size(2)
+    if state is None:
+        state = q.new_zeros(q.size(0), q.size(1), k.size(-1), v.size(-1))
+    c = g.cumsum(-1)  # (B, H, T)
+    diff = c[..., :, None] - c[..., None, :]  # c_t - c_j
+    causal_mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    decay = diff.masked_fill(~causal_mask, float("-inf")).exp()  # e^{c_t - c_j} for j <= t, else 0
+    A = (beta[..., None] * (k @ k.transpose(-2, -1)) * decay).tril(-1)
+    rhs = beta[..., None] * v - (beta[..., None] * c.exp()[..., None] * k) @ state
+    u = torch.linalg.solve_triangular(torch.eye(T, dtype=q.dtype, device=q.device) + A, rhs, upper=False, unitriangular=True)
+    y = c.exp()[..., None] * (q @ state) + ((q @ k.transpose(-2, -1)) * decay) @ u
+    to_end = (c[..., -1:] - c).exp()  # e^{c_T - c_j}
+    state = c[..., -1, None, None].exp() * state + (k * to_end[..., None]).transpose(-2, -1) @ u
+    return y, state
+
+
 # ----------------------------------------------------------------------------------------------------
 # The registry, and what the model asks of a pattern
 

@@ -428,3 +428,61 @@ def test_retention_refuses_bias_positions_and_speculation():
     model = build(pos_emb="rope", attn_pattern="DL")
     with pytest.raises(ConfigError, match="D \\(linear attention with a fixed decay per head"):
         speculative.generate(model, torch.zeros(1, 3, dtype=torch.long), 5, GREEDY, speculative.NgramDraft())
+
+
+# ---------------------------------------------------------------------------------------------------
+# The gated delta rule's core (attention.gated_delta_chunk), against a naive loop and transformers'
+
+
+def gated_delta_inputs(T, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    B, H, Dk, Dv = 2, 3, 8, 6
+    q, k = (torch.nn.functional.normalize(torch.randn(B, H, T, Dk, generator=g, dtype=dtype), dim=-1) for _ in range(2))
+    v = torch.randn(B, H, T, Dv, generator=g, dtype=dtype)
+    gate = -torch.nn.functional.softplus(torch.randn(B, H, T, generator=g, dtype=dtype))  # log a_t <= 0
+    beta = torch.sigmoid(torch.randn(B, H, T, generator=g, dtype=dtype))
+    return q * Dk**-0.5, k, v, gate, beta
+
+
+def naive_gated_delta(q, k, v, gate, beta):
+    """The recurrence as written: forget, read what the state predicts for k_t, correct it toward v_t, read."""
+    S = torch.zeros(q.size(0), q.size(1), k.size(-1), v.size(-1), dtype=q.dtype)
+    ys = []
+    for t in range(q.size(2)):
+        S = gate[:, :, t, None, None].exp() * S
+        predicted = (k[:, :, t, None, :] @ S)[:, :, 0]
+        S = S + k[:, :, t, :, None] * (beta[:, :, t, None] * (v[:, :, t] - predicted))[:, :, None, :]
+        ys.append((q[:, :, t, None, :] @ S)[:, :, 0])
+    return torch.stack(ys, 2), S
+
+
+def chunked_gated_delta(q, k, v, gate, beta, chunk):
+    state, ys = None, []
+    for a in range(0, q.size(2), chunk):
+        part = slice(a, a + chunk)
+        y, state = attention.gated_delta_chunk(q[:, :, part], k[:, :, part], v[:, :, part], gate[:, :, part], beta[:, :, part], state)
+        ys.append(y)
+    return torch.cat(ys, 2), state
+
+
+def test_the_gated_delta_rules_chunked_form_is_its_recurrence():
+    q, k, v, gate, beta = gated_delta_inputs(70, torch.float64)
+    y, S = naive_gated_delta(q, k, v, gate, beta)
+    for chunk in (1, 16, 64):  # 1: the decoded token's recurrence
+        yc, Sc = chunked_gated_delta(q, k, v, gate, beta, chunk)
+        torch.testing.assert_close(yc, y, rtol=0, atol=1e-10)
+        torch.testing.assert_close(Sc, S, rtol=0, atol=1e-10)
+
+
+def test_the_gated_delta_rule_equals_transformers_qwen3_next_reference():
+    """transformers' torch_chunk_gated_delta_rule and torch_recurrent_gated_delta_rule (Qwen3-Next's torch
+    fallbacks; they take (B, T, H, D), scale q by Dk^-1/2 themselves and L2-normalise with use_qk_l2norm_in_kernel)."""
+    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    q, k, v, gate, beta = gated_delta_inputs(100, torch.float32, seed=1)
+    q = q * q.size(-1) ** 0.5  # theirs scales q
+    ours, our_state = chunked_gated_delta(q * q.size(-1) ** -0.5, k, v, gate, beta, 64)
+    t = lambda x: x.transpose(1, 2).contiguous()  # noqa: E731
+    for reference in (qwen3_next.torch_chunk_gated_delta_rule, qwen3_next.torch_recurrent_gated_delta_rule):
+        theirs, their_state = reference(t(q), t(k), t(v), t(gate), t(beta), output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(t(theirs), ours, rtol=0, atol=1e-5)
+        torch.testing.assert_close(their_state, our_state, rtol=0, atol=1e-5)
