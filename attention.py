@@ -752,6 +752,151 @@ def gated_delta_chunk(q, k, v, g, beta, state):
     return y, state
 
 
+class DeltaState:
+    """A gated delta rule layer's cache: its state S (B, H, Dk, Dv, fp32) and the last conv_kernel - 1
+    inputs of its short convolution; the same size at any length. It cannot roll back."""
+
+    rewinds = False
+    bounded = True
+
+    def __init__(self):
+        self.state, self.conv, self.end = None, None, 0
+
+    def update(self, end, state, conv):
+        self.state, self.conv, self.end = state, conv, end
+
+    def rewind(self, n):
+        if n != self.end:
+            raise ValueError(f"a gated delta rule layer's state covers positions 0..{self.end - 1} and cannot roll back to {n}")
+
+    def nbytes(self, length):
+        return 0 if self.state is None else self.state.nbytes + self.conv.nbytes
+
+
+class StaticDeltaState(StaticRows):
+    """A gated delta rule layer's state and convolution inputs for a compiled decode step, updated in place."""
+
+    fields = ("S", "conv")
+
+    def __init__(self, S, conv):
+        self.S, self.conv = S, conv
+
+
+def l2_normalize(x, eps=1e-6):
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)  # fla's and transformers' form (eps inside)
+
+
+class GatedDeltaNet(Attention):
+    """The gated delta rule layer as Qwen3-Next has it (Yang et al. 2024, Gated DeltaNet): per head a
+    state S (Dk x Dv) forgotten by a_t = e^{g_t} and corrected toward each value for its key with strength
+    beta_t (gated_delta_chunk), read by the query. From the block input: q, k (n_kv_head heads) and v
+    (n_head heads; queries and keys are repeated for them, Qwen3-Next's grouped value heads) through a
+    causal depthwise convolution of conv_kernel (4) taps and SiLU; q and k L2-normalised, q scaled by
+    Dk^-1/2; beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), both per head and token (Mamba-2's
+    discretised decay); the output RMS-normalised per head and gated by SiLU(z), then projected. Training and
+    prefill go in chunks of 64 (the UT form), a decoded token through the recurrence; the cache is the state
+    and the convolution's last inputs, the same at any length. It takes no positions (the convolution and the
+    recurrence order the tokens, as in Qwen3-Next, whose full layers alone have RoPE). Computed in fp32."""
+
+    letter, description = "N", "gated delta rule (Gated DeltaNet, Qwen3-Next's linear layers)"
+    Cache, StaticCache = DeltaState, StaticDeltaState
+    chunk = 64
+    conv_kernel = 4
+
+    def __init__(self, config):
+        super().__init__(config)
+        hd, n_v, n_k = self.head_dim, self.n_head, self.n_kv_head
+        self.channels = (2 * n_k + n_v) * hd  # q, k, v before the convolution
+        self.qkv = nn.Linear(config.n_embd, self.channels, bias=config.bias)
+        self.z = nn.Linear(config.n_embd, n_v * hd, bias=config.bias)  # the output gate
+        self.ba = nn.Linear(config.n_embd, 2 * n_v, bias=config.bias)  # beta's and the decay's logits, per head
+        self.conv = nn.Conv1d(self.channels, self.channels, self.conv_kernel, groups=self.channels, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(n_v))
+        self.A_log = nn.Parameter(torch.log(torch.empty(n_v).uniform_(1, 16)))
+        self.out_norm = nn.RMSNorm(hd, eps=1e-6)
+
+    @classmethod
+    def check(cls, config):
+        pass  # any position scheme: its layers take none (the softmax layers of a hybrid use theirs)
+
+    @classmethod
+    def mask(cls, config, positions, start, T, device):
+        return None
+
+    @classmethod
+    def keys_per_query(cls, config, seq_len):
+        return min(seq_len, cls.chunk) + config.n_embd // config.n_head
+
+    def new_cache(self, max_len):
+        return self.Cache()
+
+    def heads(self, x):
+        """The convolution's input (B, T, channels): q, k and v are made in mix, after it."""
+        return self.qkv(x), None, None
+
+    def gates(self, x):
+        """(z, beta, g) from the block input: the output gate, the write strength, the log forget gate."""
+        b, a = self.ba(x).float().chunk(2, dim=-1)
+        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+        return self.z(x), torch.sigmoid(b), g
+
+    def convolve(self, mixed, previous):
+        """The causal depthwise convolution over (B, T, channels) after the previous conv_kernel - 1 inputs
+        (None: zeros), with SiLU; returns (the output, the last conv_kernel - 1 inputs)."""
+        x = mixed.float().transpose(1, 2)  # (B, channels, T)
+        if previous is None:
+            previous = x.new_zeros(x.size(0), x.size(1), self.conv_kernel - 1)
+        x = torch.cat([previous, x], dim=2)
+        out = F.silu(F.conv1d(x, self.conv.weight.float(), groups=self.channels))
+        return out.transpose(1, 2), x[:, :, -(self.conv_kernel - 1) :]
+
+    def split(self, mixed):
+        B, T, _ = mixed.shape
+        hd, n_k, n_v = self.head_dim, self.n_kv_head, self.n_head
+        q, k, v = mixed.split([n_k * hd, n_k * hd, n_v * hd], dim=-1)
+        q, k = (l2_normalize(t.view(B, T, n_k, hd)).transpose(1, 2).repeat_interleave(n_v // n_k, dim=1) for t in (q, k))
+        return q * hd**-0.5, k, v.view(B, T, n_v, hd).transpose(1, 2)
+
+    def finish(self, y, z):
+        """RMSNorm per head, gated by SiLU(z): (B, H, T, D)."""
+        B, T, _ = z.shape
+        return self.out_norm(y) * F.silu(z.float().view(B, T, self.n_head, self.head_dim).transpose(1, 2))
+
+    def mix(self, q, k, v, gates, start, mask, cache, positions):
+        z, beta, g = gates
+        dtype = z.dtype
+        with torch.autocast(q.device.type, enabled=False):
+            fresh = cache is None or cache.state is None
+            x, conv = self.convolve(q, None if fresh else cache.conv)
+            q, k, v = self.split(x)
+            beta, g = beta.transpose(1, 2), g.transpose(1, 2)  # (B, H, T)
+            state = None if fresh else cache.state
+            ys = []
+            for a in range(0, q.size(2), self.chunk):
+                part = slice(a, a + self.chunk)
+                y, state = gated_delta_chunk(q[:, :, part], k[:, :, part], v[:, :, part], g[:, :, part], beta[:, :, part], state)
+                ys.append(y)
+            y = self.finish(torch.cat(ys, dim=2), z)
+        if cache is not None:
+            cache.update(start + q.size(2), state, conv)
+        return y.to(dtype)
+
+    def static_cache(self, cache, length, max_len):
+        return self.StaticCache(cache.state.clone(), cache.conv.clone())
+
+    def step(self, q, k, v, gates, pos, cache, positions):
+        z, beta, g = gates
+        dtype = z.dtype
+        with torch.autocast(q.device.type, enabled=False):
+            x, conv = self.convolve(q, cache.conv)
+            q, k, v = self.split(x)
+            y, S = gated_delta_chunk(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), cache.S)
+            cache.S.copy_(S)
+            cache.conv.copy_(conv)
+            y = self.finish(y, z)
+        return y.to(dtype)
+
+
 # ----------------------------------------------------------------------------------------------------
 # The registry, and what the model asks of a pattern
 
@@ -778,7 +923,7 @@ def register(kind):
     return kind
 
 
-for _kind in (FullAttention, SlidingWindowAttention, LinearAttention, RetentionAttention):
+for _kind in (FullAttention, SlidingWindowAttention, LinearAttention, RetentionAttention, GatedDeltaNet):
     register(_kind)
 
 

@@ -122,7 +122,7 @@ def cache_bytes_while_decoding(model, n):
     return held
 
 
-@pytest.mark.parametrize("pattern", ["S", "R", "SR", "D"])
+@pytest.mark.parametrize("pattern", ["S", "R", "SR", "D", "N"])
 def test_cache_memory_is_bounded_by_the_window_or_the_state(pattern):
     model = build(pos_emb="rope", attn_pattern=pattern, attn_window=8 if "S" in pattern else None)
     held = cache_bytes_while_decoding(model, 4 * 32)
@@ -159,7 +159,7 @@ def test_linear_attention_chunk_is_the_causal_sum():
     torch.testing.assert_close(z, k.sum(2))
 
 
-@pytest.mark.parametrize("letter", ["R", "D"])
+@pytest.mark.parametrize("letter", ["R", "D", "N"])
 @pytest.mark.parametrize("pos_emb", ["rope", "none", "learned", "sinusoidal"])
 def test_linear_attention_recurrent_decode_equals_parallel_form(pos_emb, letter):
     # block_size 160 spans three chunks of 64 in the parallel form; decoding carries only the state
@@ -172,7 +172,7 @@ def test_linear_attention_recurrent_decode_equals_parallel_form(pos_emb, letter)
     torch.testing.assert_close(torch.cat(steps, dim=1), parallel, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("letter", ["R", "D"])
+@pytest.mark.parametrize("letter", ["R", "D", "N"])
 @pytest.mark.parametrize("pos_emb", ["rope", "none"])
 def test_linear_model_decodes_past_block_size_one_step_per_token(pos_emb, letter):
     model = build(pos_emb=pos_emb, attn_pattern=letter, n_kv_head=2)
@@ -203,7 +203,7 @@ def test_linear_state_cannot_roll_back_and_speculation_says_so():
         speculative.generate(model, torch.zeros(1, 3, dtype=torch.long), 5, GREEDY, speculative.NgramDraft())
 
 
-@pytest.mark.parametrize("pattern", ["RL", "DL"])
+@pytest.mark.parametrize("pattern", ["RL", "DL", "NL"])
 def test_linear_attention_trains(pattern):
     model = build(pos_emb="rope", attn_pattern=pattern).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -486,3 +486,60 @@ def test_the_gated_delta_rule_equals_transformers_qwen3_next_reference():
         theirs, their_state = reference(t(q), t(k), t(v), t(gate), t(beta), output_final_state=True, use_qk_l2norm_in_kernel=True)
         torch.testing.assert_close(t(theirs), ours, rtol=0, atol=1e-5)
         torch.testing.assert_close(their_state, our_state, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------
+# N: the gated delta rule layer (attention.GatedDeltaNet), against transformers' Qwen3NextGatedDeltaNet
+
+
+def qwen3_next_twin(attn):
+    """transformers' Qwen3NextGatedDeltaNet holding our layer's weights (its projections interleave q, k,
+    v, z and b, a per key head group)."""
+    qwen3_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+    from transformers import Qwen3NextConfig
+
+    hd, n_v, n_k = attn.head_dim, attn.n_head, attn.n_kv_head
+    config = Qwen3NextConfig(hidden_size=attn.proj.out_features, linear_num_value_heads=n_v, linear_num_key_heads=n_k,
+                             linear_key_head_dim=hd, linear_value_head_dim=hd, linear_conv_kernel_dim=attn.conv_kernel,
+                             rms_norm_eps=1e-6, hidden_act="silu", num_hidden_layers=1, layer_types=["linear_attention"])
+    twin = qwen3_next.Qwen3NextGatedDeltaNet(config, 0).eval()
+    r = n_v // n_k
+    wq, wk, wv = attn.qkv.weight.detach().split([n_k * hd, n_k * hd, n_v * hd])
+    wz, (wb, wa) = attn.z.weight.detach(), attn.ba.weight.detach().chunk(2)
+    groups = lambda w, size: w.split(size)  # noqa: E731
+    qkvz = [torch.cat(parts) for parts in zip(groups(wq, hd), groups(wk, hd), groups(wv, r * hd), groups(wz, r * hd))]
+    ba = [torch.cat(parts) for parts in zip(groups(wb, r), groups(wa, r))]
+    with torch.no_grad():
+        twin.in_proj_qkvz.weight.copy_(torch.cat(qkvz))
+        twin.in_proj_ba.weight.copy_(torch.cat(ba))
+        twin.conv1d.weight.copy_(attn.conv.weight)
+        twin.dt_bias.copy_(attn.dt_bias)
+        twin.A_log.copy_(attn.A_log)
+        twin.norm.weight.copy_(attn.out_norm.weight)
+        twin.out_proj.weight.copy_(attn.proj.weight)
+    return twin
+
+
+@pytest.mark.parametrize("n_kv_head", [4, 2])  # 2: two value heads per key head (Qwen3-Next's grouping)
+def test_the_gated_delta_rule_layer_equals_qwen3_nexts(n_kv_head):
+    torch.manual_seed(0)
+    model = build(pos_emb="rope", attn_pattern="N", n_kv_head=n_kv_head, block_size=160, bias=False)
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        for p in (attn.dt_bias, attn.out_norm.weight):
+            p.uniform_(0.5, 1.5)  # not their initial ones: a mapping that swapped them would show
+    twin = qwen3_next_twin(attn)
+    x = torch.randn(2, 150, model.config.n_embd)  # three chunks
+    with torch.no_grad():
+        ours = attn(x, model.positions, 0, None, None)
+        theirs = twin(x)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_the_gated_delta_rule_layer_refuses_speculation():
+    import speculative
+    from configurator import ConfigError
+
+    model = build(pos_emb="rope", attn_pattern="NL", n_kv_head=2)
+    with pytest.raises(ConfigError, match="N \\(gated delta rule"):
+        speculative.generate(model, torch.zeros(1, 3, dtype=torch.long), 5, GREEDY, speculative.NgramDraft())

@@ -165,6 +165,7 @@ STATIC_CASES = {
     "window and full": dict(pos_emb="rope", attn_pattern="SL", attn_window=5),
     "linear and window, past block_size": dict(pos_emb="rope", attn_pattern="RS", attn_window=6),
     "retention and full": dict(pos_emb="rope", attn_pattern="DL"),
+    "gated delta rule and full": dict(pos_emb="rope", attn_pattern="NL", n_kv_head=2),
 }  # fmt: skip
 
 
@@ -189,12 +190,12 @@ def test_static_decode_step_gives_the_eager_loops_tokens(case):
 
 
 def test_the_static_step_of_windows_and_linear_layers_traces_whole(monkeypatch):
-    """fullgraph=True: dynamo traces the step of a window's ring and a linear layer's sums without a break
+    """fullgraph=True: dynamo traces the step of a window's ring and the linear layers' states without a break
     (with its eager backend: inductor's C++ costs 15-20 s cold here; the GPU tier compiles it), and the
     traced step draws the eager loop's tokens."""
     monkeypatch.setattr(generate, "STATIC_BACKEND", "eager")
     torch._dynamo.reset()
-    model = build(pos_emb="rope", attn_pattern="SR", n_layer=2, n_head=2, attn_window=4)
+    model = build(pos_emb="rope", attn_pattern="SRDN", n_layer=4, n_head=2, attn_window=4)  # every bounded kind
     eager, static = eager_and_static(model, Sampling(temperature=0.8, top_p=0.9), 20, compile=True)
     assert torch.equal(eager, static)
 
