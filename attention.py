@@ -655,7 +655,7 @@ class RetentionAttention(LinearAttention):
 
     with k scaled by d^-1/2 and no denominator; each head's output then goes through an RMSNorm (RetNet's
     GroupNorm per head: a head whose memory is long sums more values). Training and prefill go chunk by
-    chunk (retention_chunk: the decay matrix inside a chunk, the state across chunks); a decoded token
+    chunk (decay_chunk: the decay matrix inside a chunk, the state across chunks); a decoded token
     updates the state, so the cache is the state alone, the same at any length. RoPE rotates q and k (the
     xPos of RetNet without its length extrapolation factor); no bias-based positions (ALiBi, T5). Keys
     and values shared by a query group (GQA) are repeated per query head. Computed in fp32."""
@@ -674,6 +674,10 @@ class RetentionAttention(LinearAttention):
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         return q.float(), k.float() * self.head_dim**-0.5, v.float()
 
+    def decays(self, q):
+        """Each head's log gamma for every token of q (B, H, T, D): decay_chunk's g."""
+        return self.log_gamma[None, :, None].expand(q.size(0), -1, q.size(2))
+
     def mix(self, q, k, v, gates, start, mask, cache, positions):
         dtype = v.dtype
         with torch.autocast(q.device.type, enabled=False):
@@ -683,7 +687,7 @@ class RetentionAttention(LinearAttention):
             ys = []
             for a in range(0, q.size(2), self.chunk):
                 part = slice(a, a + self.chunk)
-                y, state = retention_chunk(q[:, :, part], k[:, :, part], v[:, :, part], self.log_gamma, state)
+                y, state = decay_chunk(q[:, :, part], k[:, :, part], v[:, :, part], self.decays(q[:, :, part]), state)
                 ys.append(y)
             y = self.out_norm(torch.cat(ys, dim=2))
         if cache is not None:
@@ -698,28 +702,29 @@ class RetentionAttention(LinearAttention):
         with torch.autocast(q.device.type, enabled=False):
             q, k, v = self.features(q, k, v)
             q, k = positions.rotate_at(q, k, pos)
-            y, S = retention_chunk(q, k, v, self.log_gamma, cache.S)
+            y, S = decay_chunk(q, k, v, self.decays(q), cache.S)
             cache.S.copy_(S)
             y = self.out_norm(y)
         return y.to(dtype)
 
 
-def retention_chunk(q, k, v, log_gamma, state):
-    """Retention over one chunk (B, H, T, D) after `state` S (B, H, D, D), or None at the start; log_gamma
-    (H,) each head's log decay. Returns the outputs and the state after the chunk:
-    y_i = sum_{j<=i in the chunk} gamma^(i-j) (q_i . k_j) v_j + gamma^(i+1) q_i S,
-    S' = gamma^T S + sum_j gamma^(T-1-j) k_j^T v_j."""
+def decay_chunk(q, k, v, g, state):
+    """Linear attention that forgets, over one chunk (B, H, T, D) after `state` S (B, H, D, D), or None at
+    the start; g (B, H, T) each token's log decay (<= 0: retention's is a constant per head, a gated
+    layer's comes from its input). With c_t the cumulative g from the chunk's start, per token
+    S_t = e^{g_t} S_{t-1} + k_t^T v_t and y_t = q_t S_t, so
+    y_t = sum_{j<=t in the chunk} e^{c_t - c_j} (q_t . k_j) v_j + e^{c_t} q_t S,
+    S' = e^{c_T} S + sum_j e^{c_T - c_j} k_j^T v_j. Returns the outputs and the state after the chunk."""
     T = q.size(2)
-    i = torch.arange(T, device=q.device, dtype=log_gamma.dtype)
-    lg = log_gamma[:, None]  # (H, 1)
-    offsets = i[:, None] - i[None, :]  # (T, T): i - j
-    decay = torch.exp(lg[..., None] * offsets.clamp_min(0)) * (offsets >= 0)  # (H, T, T): gamma^(i-j), 0 above
+    c = g.cumsum(-1)
+    diff = c[..., :, None] - c[..., None, :]  # c_t - c_j
+    causal_mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    decay = diff.masked_fill(~causal_mask, float("-inf")).exp()  # e^{c_t - c_j} for j <= t, else 0
     y = ((q @ k.transpose(-2, -1)) * decay) @ v
-    to_end = torch.exp(lg * (T - 1 - i))  # (H, T): gamma^(T-1-j)
-    S = (k * to_end[..., None]).transpose(-2, -1) @ v
+    S = (k * (c[..., -1:] - c).exp()[..., None]).transpose(-2, -1) @ v
     if state is not None:
-        y = y + (q * torch.exp(lg * (i + 1))[..., None]) @ state
-        S = S + torch.exp(lg * T)[..., None] * state
+        y = y + (q * c.exp()[..., None]) @ state
+        S = S + c[..., -1, None, None].exp() * state
     return y, S
 
 
@@ -857,6 +862,9 @@ class GatedDeltaNet(Attention):
         q, k = (l2_normalize(t.view(B, T, n_k, hd)).transpose(1, 2).repeat_interleave(n_v // n_k, dim=1) for t in (q, k))
         return q * hd**-0.5, k, v.view(B, T, n_v, hd).transpose(1, 2)
 
+    def core(self, q, k, v, g, beta, state):
+        return gated_delta_chunk(q, k, v, g, beta, state)
+
     def finish(self, y, z):
         """RMSNorm per head, gated by SiLU(z): (B, H, T, D)."""
         B, T, _ = z.shape
@@ -869,12 +877,12 @@ class GatedDeltaNet(Attention):
             fresh = cache is None or cache.state is None
             x, conv = self.convolve(q, None if fresh else cache.conv)
             q, k, v = self.split(x)
-            beta, g = beta.transpose(1, 2), g.transpose(1, 2)  # (B, H, T)
+            beta, g = None if beta is None else beta.transpose(1, 2), g.transpose(1, 2)  # (B, H, T)
             state = None if fresh else cache.state
             ys = []
             for a in range(0, q.size(2), self.chunk):
                 part = slice(a, a + self.chunk)
-                y, state = gated_delta_chunk(q[:, :, part], k[:, :, part], v[:, :, part], g[:, :, part], beta[:, :, part], state)
+                y, state = self.core(q[:, :, part], k[:, :, part], v[:, :, part], g[:, :, part], None if beta is None else beta[:, :, part], state)
                 ys.append(y)
             y = self.finish(torch.cat(ys, dim=2), z)
         if cache is not None:
@@ -890,11 +898,35 @@ class GatedDeltaNet(Attention):
         with torch.autocast(q.device.type, enabled=False):
             x, conv = self.convolve(q, cache.conv)
             q, k, v = self.split(x)
-            y, S = gated_delta_chunk(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), cache.S)
+            y, S = self.core(q, k, v, g.transpose(1, 2), None if beta is None else beta.transpose(1, 2), cache.S)
             cache.S.copy_(S)
             cache.conv.copy_(conv)
             y = self.finish(y, z)
         return y.to(dtype)
+
+
+class GatedLinearAttention(GatedDeltaNet):
+    """Linear attention with a data-dependent decay: Mamba-2's scalar form of the forget gate (Dao and Gu
+    2024; GLA's, Yang et al. 2023, with one gate per head instead of one per key channel). Per head,
+    S_t = a_t S_{t-1} + k_t^T v_t and y_t = q_t S_t, with a_t = e^{g_t}, g = -exp(A_log) softplus(a + dt_bias)
+    computed from the block input: the gated delta rule's layer (its convolution, L2-normalised q and k,
+    output norm and SiLU gate, grouped value heads, no positions) without the delta rule's correction, so
+    it adds where N overwrites. Chunks of 64 (decay_chunk), the recurrence while decoding, the state and the
+    convolution's last inputs as its cache."""
+
+    letter, description = "M", "linear attention with a data-dependent decay (Mamba-2's, GLA's scalar gate)"
+    StaticCache = StaticDeltaState  # (its step is N's, through its own core)
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.ba = nn.Linear(config.n_embd, self.n_head, bias=config.bias)  # the decay's logits alone: no beta
+
+    def gates(self, x):
+        g = -self.A_log.float().exp() * F.softplus(self.ba(x).float() + self.dt_bias.float())
+        return self.z(x), None, g
+
+    def core(self, q, k, v, g, beta, state):
+        return decay_chunk(q, k, v, g, state)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -923,7 +955,7 @@ def register(kind):
     return kind
 
 
-for _kind in (FullAttention, SlidingWindowAttention, LinearAttention, RetentionAttention, GatedDeltaNet):
+for _kind in (FullAttention, SlidingWindowAttention, LinearAttention, RetentionAttention, GatedDeltaNet, GatedLinearAttention):
     register(_kind)
 
 

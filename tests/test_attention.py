@@ -122,7 +122,7 @@ def cache_bytes_while_decoding(model, n):
     return held
 
 
-@pytest.mark.parametrize("pattern", ["S", "R", "SR", "D", "N"])
+@pytest.mark.parametrize("pattern", ["S", "R", "SR", "D", "N", "M"])
 def test_cache_memory_is_bounded_by_the_window_or_the_state(pattern):
     model = build(pos_emb="rope", attn_pattern=pattern, attn_window=8 if "S" in pattern else None)
     held = cache_bytes_while_decoding(model, 4 * 32)
@@ -159,7 +159,7 @@ def test_linear_attention_chunk_is_the_causal_sum():
     torch.testing.assert_close(z, k.sum(2))
 
 
-@pytest.mark.parametrize("letter", ["R", "D", "N"])
+@pytest.mark.parametrize("letter", ["R", "D", "N", "M"])
 @pytest.mark.parametrize("pos_emb", ["rope", "none", "learned", "sinusoidal"])
 def test_linear_attention_recurrent_decode_equals_parallel_form(pos_emb, letter):
     # block_size 160 spans three chunks of 64 in the parallel form; decoding carries only the state
@@ -172,7 +172,7 @@ def test_linear_attention_recurrent_decode_equals_parallel_form(pos_emb, letter)
     torch.testing.assert_close(torch.cat(steps, dim=1), parallel, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("letter", ["R", "D", "N"])
+@pytest.mark.parametrize("letter", ["R", "D", "N", "M"])
 @pytest.mark.parametrize("pos_emb", ["rope", "none"])
 def test_linear_model_decodes_past_block_size_one_step_per_token(pos_emb, letter):
     model = build(pos_emb=pos_emb, attn_pattern=letter, n_kv_head=2)
@@ -203,7 +203,7 @@ def test_linear_state_cannot_roll_back_and_speculation_says_so():
         speculative.generate(model, torch.zeros(1, 3, dtype=torch.long), 5, GREEDY, speculative.NgramDraft())
 
 
-@pytest.mark.parametrize("pattern", ["RL", "DL", "NL"])
+@pytest.mark.parametrize("pattern", ["RL", "DL", "NL", "ML"])
 def test_linear_attention_trains(pattern):
     model = build(pos_emb="rope", attn_pattern=pattern).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -387,33 +387,31 @@ real_flex = attention.attention_flex
 # Retention (D): linear attention with a fixed decay per head
 
 
-def naive_retention(q, k, v, gamma):
-    """y_i = sum_{j<=i} gamma_h^(i-j) (q_i . k_j) v_j, token by token, as written in RetNet."""
-    B, H, T, D = q.shape
-    y = torch.zeros_like(v)
-    for i in range(T):
-        for j in range(i + 1):
-            w = gamma[None, :, None] ** (i - j) * (q[:, :, i] * k[:, :, j]).sum(-1, keepdim=True)
-            y[:, :, i] += w * v[:, :, j]
-    return y
-
-
-def test_retentions_chunked_form_is_its_recurrence_and_the_naive_sum():
-    from attention import retention_chunk
+@pytest.mark.parametrize("gates", ["per head (retention)", "per token (Mamba-2, GLA)"])
+def test_a_decaying_chunked_form_is_its_recurrence_and_the_naive_sum(gates):
+    from attention import decay_chunk
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 70, 5, generator=g, dtype=torch.float64) for _ in range(3))
-    log_gamma = torch.log1p(-(2.0 ** (-1.0 - torch.arange(3, dtype=torch.float64))))  # short memories: the decay shows
-    expected = naive_retention(q, k, v, log_gamma.exp())
+    if gates.startswith("per head"):  # short memories: the decay shows
+        log_gate = torch.log1p(-(2.0 ** (-1.0 - torch.arange(3, dtype=torch.float64))))[None, :, None].expand(2, 3, 70)
+    else:
+        log_gate = -torch.nn.functional.softplus(torch.randn(2, 3, 70, generator=g, dtype=torch.float64))
+    expected = torch.zeros_like(v)  # y_t = sum_{j<=t} (prod_{j<s<=t} a_s) (q_t . k_j) v_j, as written
+    for t in range(70):
+        for j in range(t + 1):
+            w = log_gate[:, :, j + 1 : t + 1].sum(-1, keepdim=True).exp() * (q[:, :, t] * k[:, :, j]).sum(-1, keepdim=True)
+            expected[:, :, t] += w * v[:, :, j]
     state, chunked = None, []
     for a in range(0, 70, 16):  # chunks of 16, the state carried across
-        y, state = retention_chunk(q[:, :, a : a + 16], k[:, :, a : a + 16], v[:, :, a : a + 16], log_gamma, state)
+        part = slice(a, a + 16)
+        y, state = decay_chunk(q[:, :, part], k[:, :, part], v[:, :, part], log_gate[:, :, part], state)
         chunked.append(y)
     torch.testing.assert_close(torch.cat(chunked, 2), expected, rtol=0, atol=1e-10)
     S = torch.zeros(2, 3, 5, 5, dtype=torch.float64)
     recurrent = []
-    for t in range(70):  # one token at a time: S = gamma S + k^T v, y = q S
-        S = log_gamma.exp()[None, :, None, None] * S + k[:, :, t, :, None] * v[:, :, t, None, :]
+    for t in range(70):  # one token at a time: S = a_t S + k^T v, y = q S
+        S = log_gate[:, :, t, None, None].exp() * S + k[:, :, t, :, None] * v[:, :, t, None, :]
         recurrent.append((q[:, :, t, None] @ S))
     torch.testing.assert_close(torch.cat(recurrent, 2), expected, rtol=0, atol=1e-10)
     torch.testing.assert_close(state, S, rtol=0, atol=1e-10)

@@ -166,6 +166,7 @@ STATIC_CASES = {
     "linear and window, past block_size": dict(pos_emb="rope", attn_pattern="RS", attn_window=6),
     "retention and full": dict(pos_emb="rope", attn_pattern="DL"),
     "gated delta rule and full": dict(pos_emb="rope", attn_pattern="NL", n_kv_head=2),
+    "data-dependent decay and full": dict(pos_emb="rope", attn_pattern="ML", n_kv_head=2),
 }  # fmt: skip
 
 
@@ -195,7 +196,7 @@ def test_the_static_step_of_windows_and_linear_layers_traces_whole(monkeypatch):
     traced step draws the eager loop's tokens."""
     monkeypatch.setattr(generate, "STATIC_BACKEND", "eager")
     torch._dynamo.reset()
-    model = build(pos_emb="rope", attn_pattern="SRDN", n_layer=4, n_head=2, attn_window=4)  # every bounded kind
+    model = build(pos_emb="rope", attn_pattern="SRDNM", n_layer=5, n_head=2, attn_window=4)  # every bounded kind
     eager, static = eager_and_static(model, Sampling(temperature=0.8, top_p=0.9), 20, compile=True)
     assert torch.equal(eager, static)
 
