@@ -531,7 +531,7 @@ def read_conversations(path):
 def prepare_conversations(conversations, tokenizer, out_dir, val_fraction=0.1, val=None):
     """Writes a chat dataset: per split, {split}.bin (the rendered conversations back to back),
     {split}_mask.bin (1 where a token is trained) and {split}_starts.npy (where each conversation begins,
-    then the end); meta.json's "chat" says how many and how long. The last val_fraction of the
+    then the end); meta.json's "sequences" says how many and how long (a masked dataset's mark). The last val_fraction of the
     conversations (at least one) are val, or val's when given. A conversation without an assistant turn
     trains nothing: refused."""
     tokenizer = ChatTokenizer(tokenizer)
@@ -545,10 +545,17 @@ def prepare_conversations(conversations, tokenizer, out_dir, val_fraction=0.1, v
     for n, messages in enumerate(conversations + val):
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError(f"conversation {n}: no assistant turn, so nothing in it would be trained")
+    return write_masked(out_dir, tokenizer, {split: [tokenizer.render(m) for m in part]
+                                            for split, part in (("train", conversations), ("val", val))})
+
+
+def write_masked(out_dir, tokenizer, splits):
+    """Writes a masked dataset (whole sequences, each trained where its mask says: ConversationSampler's)
+    from {split: [(ids, trained)]}: {split}.bin, {split}_mask.bin and {split}_starts.npy, and meta.json
+    with the "sequences" statistics. Returns them."""
     os.makedirs(out_dir, exist_ok=True)
     counts, stats = {}, {}
-    for split, part in (("train", conversations), ("val", val)):
-        rendered = [tokenizer.render(m) for m in part]
+    for split, rendered in splits.items():
         lengths = np.array([len(ids) for ids, _ in rendered], dtype=np.int64)
         ids = np.concatenate([np.array(i, dtype=np.int64) for i, _ in rendered])
         trained = np.concatenate([np.array(t, dtype=np.int64) for _, t in rendered])
@@ -557,9 +564,9 @@ def prepare_conversations(conversations, tokenizer, out_dir, val_fraction=0.1, v
         starts = np.concatenate([[0], np.cumsum(lengths)])
         atomic_write(os.path.join(out_dir, f"{split}_starts.npy"), lambda f: np.save(f, starts))
         counts[split] = int(ids.size)
-        stats[split] = {"conversations": len(part), "trained_tokens": int(trained.sum()), "longest": int(lengths.max()),
+        stats[split] = {"conversations": len(rendered), "trained_tokens": int(trained.sum()), "longest": int(lengths.max()),
                         "median_length": int(np.median(lengths))}
-    write_meta(out_dir, tokenizer, counts, chat=stats)
+    write_meta(out_dir, tokenizer, counts, sequences=stats)
     return stats
 
 
@@ -617,8 +624,9 @@ class ConversationSampler:
         self.generator.set_state(state)
 
 
-def is_chat_dataset(meta):
-    return "chat" in meta
+def is_masked_dataset(meta):
+    """Whether a dataset is whole sequences with a loss mask (conversations, data/mqar): ConversationSampler's."""
+    return "sequences" in meta
 
 
 def char_tokenizer_for(text):

@@ -13,8 +13,9 @@ token sees at least block_size - stride tokens of context (stride = block_size: 
 Bits per byte = total nats / ln 2 / the UTF-8 bytes of the scored tokens' text: comparable between a
 character model and a BPE model scored on the same text.
 
-A chat dataset's split (conversations: data/prepare.py CHATS.jsonl) scores the tokens fine-tuning trains,
-the assistants' turns, one conversation per window (as train.py's val loss). --chats=FILE answers
+A masked dataset's split (conversations: data/prepare.py CHATS.jsonl; data/mqar) scores the tokens it
+trains, the assistants' turns or the queried values, one sequence per window (as train.py's val loss),
+and the accuracy of the argmax on them. --chats=FILE answers
 conversations instead: the model replies to each one's last user turn (greedy) and the reply is compared
 with the file's last assistant turn, exact match per task (a "task" field; --chats_fewshot=K puts K
 solved examples of the same task from --chats_examples before it; a base model without a chat template
@@ -39,7 +40,7 @@ import torch.nn.functional as F
 from checkpoint import ContextKeys, load_for
 import generate
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
-from dataset import (ChatTokenizer, ConversationSampler, DataError, describe_meta, hub_offline, hub_reachable, is_chat_dataset,
+from dataset import (ChatTokenizer, ConversationSampler, DataError, describe_meta, hub_offline, hub_reachable, is_masked_dataset,
                      continuation, open_split, read_meta, read_records, resolve_dataset, write_json)
 from device import COMPUTE_DTYPES, DEVICES, autocast, pick_device, pick_dtype
 from generate import Sampling, check_max_new_tokens
@@ -136,7 +137,7 @@ def load_tokens(c, tokenizer, meta):
     if data_meta["tokenizer"] != meta:
         raise DataError(f"dataset {c.dataset!r} uses {describe_meta(data_meta['tokenizer'])}, but the model was "
                         f"trained with {describe_meta(meta)}; score it on text its tokenizer covers (--text) or its own dataset")
-    if is_chat_dataset(data_meta):
+    if is_masked_dataset(data_meta):
         return ConversationSampler(data_dir, c.split, 1 << 62, 0, data_meta["vocab_size"])  # whole conversations
     files = open_split(data_dir, c.split, data_meta["vocab_size"])
     return torch.from_numpy(np.concatenate([f.tokens for f in files]).astype(np.int64))
@@ -144,9 +145,10 @@ def load_tokens(c, tokenizer, meta):
 
 @torch.no_grad()
 def score_conversations(model, conversations, device, context):
-    """(nats, targets) over the trained targets of a chat split, each conversation in a window of its own
-    from position 0 (its first block_size + 1 tokens, as train.py sees it)."""
-    nats, targets = [], []
+    """(nats, targets, how many the argmax gets right) over the trained targets of a masked split
+    (conversations, MQAR), each sequence in a window of its own from position 0 (its first block_size + 1
+    tokens, as train.py sees it)."""
+    nats, targets, right = [], [], 0
     block_size = model.config.block_size
     for start, length in conversations.convs:
         length = min(length, block_size + 1)
@@ -156,7 +158,8 @@ def score_conversations(model, conversations, device, context):
             logits, _ = model(ids[None, :-1].to(device))
         nats.append(token_nats(logits, ids[None, 1:].to(device))[0].cpu()[trained])
         targets.append(ids[1:][trained])
-    return torch.cat(nats), torch.cat(targets)
+        right += int((logits[0].argmax(-1).cpu()[trained] == targets[-1]).sum())
+    return torch.cat(nats), torch.cat(targets), right
 
 
 def evaluate(c):
@@ -177,8 +180,9 @@ def evaluate(c):
     dtype = pick_dtype(c.dtype, torch.device(device).type)
     model = model.to(device).eval()
     context = autocast(torch.device(device).type, dtype)
+    right = None
     if chat:
-        losses, scored = score_conversations(model, tokens, device, context)
+        losses, scored, right = score_conversations(model, tokens, device, context)
     else:
         losses, scored = score(model, tokens, stride, c.batch_size, device, context)
     nats = losses.sum().item()
@@ -188,7 +192,7 @@ def evaluate(c):
         "tokenizer": meta.get("kind"), "tokens": len(scored),
         "bytes": n_bytes, "loss": nats / len(scored), "perplexity": math.exp(nats / len(scored)),
         "bits_per_byte": nats / math.log(2) / n_bytes if n_bytes else None, "block_size": model.config.block_size,
-        "stride": stride, "dtype": dtype,
+        "stride": stride, "dtype": dtype, **({"accuracy": right / len(scored)} if right is not None else {}),
     }  # fmt: skip
 
 
@@ -309,7 +313,8 @@ def main(argv=None):
             print(result["table"])
         else:
             print(f"{result['source']}: {result['tokens']:,} tokens, {result['bytes']:,} bytes | loss {result['loss']:.4f} "
-                  f"nats/token, perplexity {result['perplexity']:.3f}, {result['bits_per_byte']:.4f} bits per byte")
+                  f"nats/token, perplexity {result['perplexity']:.3f}, {result['bits_per_byte']:.4f} bits per byte"
+                  + (f" | accuracy {result['accuracy']:.4f} (argmax = the trained target)" if "accuracy" in result else ""))
         if c.json:
             write_json(c.json, result)
         return result

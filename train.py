@@ -23,7 +23,7 @@ import torch
 
 from checkpoint import CHECKPOINT, METRICS, ContextKeys, RunLock, RunState, load_checkpoint, lora_model, tokens_per_step
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
-from dataset import (CHAT_TOKENS, BatchSampler, ConversationSampler, DataError, describe_meta, is_chat_dataset, open_split,
+from dataset import (CHAT_TOKENS, BatchSampler, ConversationSampler, DataError, describe_meta, is_masked_dataset, open_split,
                      read_meta, resolve_dataset, tokenizer_from_meta)
 from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
 from device import autocast as autocast_for
@@ -291,7 +291,7 @@ class Run:
                             f"the model's vocab_size={config.vocab_size}")
         self.train_config = c = replace(c, **asdict(config))  # what actually runs, recorded in the checkpoint
         torch.manual_seed(c.seed + world.rank)  # then a dropout stream of its own per process
-        self.chat = is_chat_dataset(self.data_meta)  # conversations: trained where the mask says (ConversationSampler)
+        self.chat = is_masked_dataset(self.data_meta)  # conversations: trained where the mask says (ConversationSampler)
         if self.chat:
             def sampler(split, seed):
                 return ConversationSampler(data_dir, split, config.block_size, seed, self.data_meta["vocab_size"])

@@ -27,7 +27,7 @@ def test_the_mask_trains_the_assistants_tokens_and_nothing_else(chat_data):
     meta = read_meta(data)
     tokenizer = tokenizer_from_meta(meta["tokenizer"])
     assert isinstance(tokenizer, ChatTokenizer) and meta["vocab_size"] == tokenizer.base.vocab_size + 4
-    train_part = [json.loads(line)["messages"] for line in path.read_text().splitlines()][: meta["chat"]["train"]["conversations"]]
+    train_part = [json.loads(line)["messages"] for line in path.read_text().splitlines()][: meta["sequences"]["train"]["conversations"]]
     rows = {}
     for messages in train_part:
         ids, trained = expected(tokenizer, messages)

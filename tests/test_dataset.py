@@ -317,3 +317,40 @@ def test_hub_prepare_without_network_fails_at_once_naming_data_files(tmp_path):
         pytest.skip("this machine reaches the Hugging Face Hub")
     assert time.perf_counter() - started < 30
     assert "--data_files" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_mqar_sequences_recall_their_pairs_and_train_only_the_queried_values(tmp_path):
+    import numpy as np
+
+    from conftest import TINY_RUN, run_main
+    from dataset import ConversationSampler, TokenFile, read_meta
+
+    out = tmp_path / "mqar"
+    result = run_main("data/mqar/prepare.py", "--pairs=4", "--keys=8", "--values=8", "--train=60", "--val=20", f"--out_dir={out}")
+    assert result.returncode == 0 and "60 train and 20 val sequences of 16 tokens" in result.stdout, result.stderr
+    tokens, mask = TokenFile(str(out / "val.bin")).tokens, TokenFile(str(out / "val_mask.bin")).tokens
+    starts = np.load(out / "val_starts.npy")
+    for a, b in zip(starts[:-1], starts[1:]):
+        ids, trained = tokens[a:b].tolist(), mask[a:b].tolist()
+        pairs = dict(zip(ids[0:8:2], ids[1:8:2]))
+        assert len(pairs) == 4 and all(k < 8 <= v for k, v in pairs.items())  # keys, then values, no repeats
+        assert trained[:9] == [0] * 9 and trained[9::2] == [1] * 4 and sum(trained) == 4  # the queried values only
+        assert {ids[i]: ids[i + 1] for i in range(8, 16, 2)} == pairs  # every key asked once, its value after it
+    bad = run_main("data/mqar/prepare.py", "--pairs=9", "--keys=8", f"--out_dir={tmp_path / 'bad'}")
+    assert bad.returncode == 1 and "--pairs=9 must be in [1, min(--keys, --values) = 8]" in bad.stderr
+    run = tmp_path / "run"
+    trained_run = run_main("train.py", *TINY_RUN, f"--dataset={out}", f"--out_dir={run}", "--max_iters=3", "--attn_pattern=N")
+    assert trained_run.returncode == 0, trained_run.stderr
+    scored = run_main("eval.py", f"--out_dir={run}", "--device=cpu")
+    from checkpoint import load_model
+
+    model = load_model(str(run))[0].eval()
+    sampler = ConversationSampler(str(out), "val", 32, 0, read_meta(str(out))["vocab_size"])
+    right = n = 0
+    with torch.no_grad():
+        for start, length in sampler.convs:
+            ids = torch.from_numpy(sampler.tokens.window(start, length))
+            keep = torch.from_numpy(sampler.mask.window(start, length))[1:].bool()
+            right += int((model(ids[None, :-1])[0][0].argmax(-1)[keep] == ids[1:][keep]).sum())
+            n += int(keep.sum())
+    assert n == 80 and f"accuracy {right / n:.4f}" in scored.stdout, scored.stdout
