@@ -541,3 +541,15 @@ def test_the_gated_delta_rule_layer_refuses_speculation():
     model = build(pos_emb="rope", attn_pattern="NL", n_kv_head=2)
     with pytest.raises(ConfigError, match="N \\(gated delta rule"):
         speculative.generate(model, torch.zeros(1, 3, dtype=torch.long), 5, GREEDY, speculative.NgramDraft())
+
+
+@pytest.mark.parametrize("letter", ["N", "M"])
+def test_the_gated_kinds_start_with_a_memory(letter):
+    """Mamba-2's initialisation: e^g = e^{-A dt} with dt in [0.001, 0.1] and A in [1, 16], so a state keeps
+    1 to 1,000 tokens at the start (dt_bias = 1 forgot nearly everything each token, and recall stayed at
+    chance on MQAR)."""
+    model = build(pos_emb="rope", attn_pattern=letter)
+    with torch.no_grad():
+        g = model.blocks[0].attn.gates(torch.randn(2, 16, model.config.n_embd))[2]
+    keep = g.exp()
+    assert 0.5 < keep.median() and keep.max() < 1 and keep.min() > 0.1
