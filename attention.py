@@ -708,6 +708,15 @@ class RetentionAttention(LinearAttention):
         return y.to(dtype)
 
 
+def chunk_decays(g):
+    """(c, decay) of a chunk's log gates g (B, H, T): c their cumulative sum from the chunk's start, decay
+    (B, H, T, T) e^{c_t - c_j} where j <= t and 0 above (the causal mask)."""
+    T = g.size(-1)
+    c = g.cumsum(-1)
+    causal_mask = torch.ones(T, T, dtype=torch.bool, device=g.device).tril()
+    return c, (c[..., :, None] - c[..., None, :]).masked_fill(~causal_mask, float("-inf")).exp()
+
+
 def decay_chunk(q, k, v, g, state):
     """Linear attention that forgets, over one chunk (B, H, T, D) after `state` S (B, H, D, D), or None at
     the start; g (B, H, T) each token's log decay (<= 0: retention's is a constant per head, a gated
@@ -715,11 +724,7 @@ def decay_chunk(q, k, v, g, state):
     S_t = e^{g_t} S_{t-1} + k_t^T v_t and y_t = q_t S_t, so
     y_t = sum_{j<=t in the chunk} e^{c_t - c_j} (q_t . k_j) v_j + e^{c_t} q_t S,
     S' = e^{c_T} S + sum_j e^{c_T - c_j} k_j^T v_j. Returns the outputs and the state after the chunk."""
-    T = q.size(2)
-    c = g.cumsum(-1)
-    diff = c[..., :, None] - c[..., None, :]  # c_t - c_j
-    causal_mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    decay = diff.masked_fill(~causal_mask, float("-inf")).exp()  # e^{c_t - c_j} for j <= t, else 0
+    c, decay = chunk_decays(g)
     y = ((q @ k.transpose(-2, -1)) * decay) @ v
     S = (k * (c[..., -1:] - c).exp()[..., None]).transpose(-2, -1) @ v
     if state is not None:
@@ -744,10 +749,7 @@ def gated_delta_chunk(q, k, v, g, beta, state):
     T = q.size(2)
     if state is None:
         state = q.new_zeros(q.size(0), q.size(1), k.size(-1), v.size(-1))
-    c = g.cumsum(-1)  # (B, H, T)
-    diff = c[..., :, None] - c[..., None, :]  # c_t - c_j
-    causal_mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-    decay = diff.masked_fill(~causal_mask, float("-inf")).exp()  # e^{c_t - c_j} for j <= t, else 0
+    c, decay = chunk_decays(g)
     A = (beta[..., None] * (k @ k.transpose(-2, -1)) * decay).tril(-1)
     rhs = beta[..., None] * v - (beta[..., None] * c.exp()[..., None] * k) @ state
     u = torch.linalg.solve_triangular(torch.eye(T, dtype=q.dtype, device=q.device) + A, rhs, upper=False, unitriangular=True)
@@ -755,27 +757,6 @@ def gated_delta_chunk(q, k, v, g, beta, state):
     to_end = (c[..., -1:] - c).exp()  # e^{c_T - c_j}
     state = c[..., -1, None, None].exp() * state + (k * to_end[..., None]).transpose(-2, -1) @ u
     return y, state
-
-
-class DeltaState:
-    """A gated delta rule layer's cache: its state S (B, H, Dk, Dv, fp32) and the last conv_kernel - 1
-    inputs of its short convolution; the same size at any length. It cannot roll back."""
-
-    rewinds = False
-    bounded = True
-
-    def __init__(self):
-        self.state, self.conv, self.end = None, None, 0
-
-    def update(self, end, state, conv):
-        self.state, self.conv, self.end = state, conv, end
-
-    def rewind(self, n):
-        if n != self.end:
-            raise ValueError(f"a gated delta rule layer's state covers positions 0..{self.end - 1} and cannot roll back to {n}")
-
-    def nbytes(self, length):
-        return 0 if self.state is None else self.state.nbytes + self.conv.nbytes
 
 
 class StaticDeltaState(StaticRows):
@@ -804,7 +785,7 @@ class GatedDeltaNet(Attention):
     recurrence order the tokens, as in Qwen3-Next, whose full layers alone have RoPE). Computed in fp32."""
 
     letter, description = "N", "gated delta rule (Gated DeltaNet, Qwen3-Next's linear layers)"
-    Cache, StaticCache = DeltaState, StaticDeltaState
+    Cache, StaticCache = LinearState, StaticDeltaState  # its state: (S, the convolution's last inputs)
     chunk = 64
     conv_kernel = 4
 
@@ -878,11 +859,10 @@ class GatedDeltaNet(Attention):
         z, beta, g = gates
         dtype = z.dtype
         with torch.autocast(q.device.type, enabled=False):
-            fresh = cache is None or cache.state is None
-            x, conv = self.convolve(q, None if fresh else cache.conv)
+            state, conv = (None, None) if cache is None or cache.state is None else cache.state
+            x, conv = self.convolve(q, conv)
             q, k, v = self.split(x)
             beta, g = None if beta is None else beta.transpose(1, 2), g.transpose(1, 2)  # (B, H, T)
-            state = None if fresh else cache.state
             ys = []
             for a in range(0, q.size(2), self.chunk):
                 part = slice(a, a + self.chunk)
@@ -890,11 +870,11 @@ class GatedDeltaNet(Attention):
                 ys.append(y)
             y = self.finish(torch.cat(ys, dim=2), z)
         if cache is not None:
-            cache.update(start + q.size(2), state, conv)
+            cache.update(start + q.size(2), (state, conv))
         return y.to(dtype)
 
     def static_cache(self, cache, length, max_len):
-        return self.StaticCache(cache.state.clone(), cache.conv.clone())
+        return self.StaticCache(*(t.clone() for t in cache.state))
 
     def step(self, q, k, v, gates, pos, cache, positions):
         z, beta, g = gates
