@@ -27,10 +27,14 @@ A study file is a Python file that assigns:
                          of these contexts (eval.py --block_size), tabulated and plotted as val bits per byte
   eval_as  = {"row": ("variant", {"rope_scaling": "linear", "rope_factor": 4.0})}   (optional) eval_lengths
                          rows of a variant's models run with other RoPE scaling, without training
+  axis     = dict(label="key-value pairs", points={"softmax, 4 pairs": ("softmax", 4), ...})   (optional)
+                         the variants as series over an x value: a table (series x value) and out_dir/axis.png
+                         of final val accuracy (a masked dataset's) or else final val bits per byte
   quick    = dict(batch_size=8, seeds=1)   (optional) the keys of --quick=True, on top of every variant's
                          (seeds: how many of the study's seeds; eval_lengths: the contexts to score)
 Every variant's keys are checked before anything trains. A finished run is not run again; an interrupted
-one resumes. Results: out_dir/results.md, out_dir/loss_curves.png and out_dir/lengths.png (matplotlib).
+one resumes. Results: out_dir/results.md, out_dir/loss_curves.png, out_dir/lengths.png and out_dir/axis.png
+(matplotlib). A masked dataset's runs (data/mqar, conversations) also get their final val accuracy.
 Runs go to out_dir/<variant>/seed<N>, the variant's name lowercased with other characters as "-".
 """
 
@@ -44,6 +48,7 @@ from dataclasses import dataclass, fields, replace
 
 from checkpoint import CHECKPOINT, METRICS, ContextKeys, load_checkpoint, read_metrics, tokens_per_step
 from configurator import ConfigError, UserError, checked, cli_main, keys_of, parse, parse_config, parse_dict, read_config_file
+from dataset import is_masked_dataset, read_meta, resolve_dataset
 from model import GPT, GPTConfig, model_config
 from plot import line_style, pyplot, save, title as figure_title
 import train
@@ -59,7 +64,7 @@ class AblateConfig:
 
 
 STUDY_KEYS = ("base", "variants", "seeds", "tokens", "targets", "title", "notes", "continue_from", "eval_lengths",
-              "eval_as", "quick")
+              "eval_as", "quick", "axis")
 EVAL_AS_KEYS = [f.name for f in fields(ContextKeys) if f.name != "block_size"]  # eval_lengths sets block_size
 
 
@@ -128,6 +133,10 @@ def load_study(path, overrides=None, n_seeds=0, quick=False):
     for row, (variant, keys) in study.get("eval_as", {}).items():
         if variant not in names or set(keys) - set(EVAL_AS_KEYS):
             raise ConfigError(f"{path}: eval_as {row!r}: a variant and keys among {', '.join(EVAL_AS_KEYS)}")
+    axis = study.get("axis")
+    if axis is not None and not (isinstance(axis, dict) and set(axis) == {"label", "points"}
+                                 and all(v in names and isinstance(p, tuple) and len(p) == 2 for v, p in axis["points"].items())):
+        raise ConfigError(f"{path}: axis must be dict(label=..., points={{variant: (series, x), ...}}) over its variants")
     return runs, {**study, "seeds": seeds, "fitted": list(dict.fromkeys(notes))}
 
 
@@ -176,7 +185,7 @@ def summarize(runs, root):
         evals = [r for r in records if "val_loss" in r]
         steps = [r for r in records if "tokens_per_sec" in r]
         row = rows.setdefault(name, {"final": [], "best": [], "bpb": [], "tps": [], "diverged": 0, "params": None,
-                                     "curves": [], "evals": []})
+                                     "curves": [], "evals": [], "accuracy": []})
         if os.path.exists(os.path.join(out_dir, "diverged")):
             row["diverged"] += 1
         elif evals:
@@ -184,6 +193,9 @@ def summarize(runs, root):
             row["best"].append(min(r["val_loss"] for r in evals))
             if "val_bpb" in evals[-1]:  # comparable across tokenizers, where val loss is not
                 row["bpb"].append(evals[-1]["val_bpb"])
+            accuracy = masked_accuracy(out_dir, c)
+            if accuracy is not None:
+                row["accuracy"].append(accuracy)
         if steps:
             row["tps"].append(statistics.median(r["tokens_per_sec"] for r in steps))
         row["curves"].append([(r["iter"] * tokens_per_step(c), r["val_loss"]) for r in evals])
@@ -218,6 +230,25 @@ def length_scores(run_dir, lengths, keys=None):
                 json.dump(cache, f, indent=1)
         scores[length] = cache[key]
     return scores
+
+
+def masked_accuracy(run_dir, c):
+    """The final model's accuracy on the queried (trained) tokens of its val split, for a masked dataset
+    (conversations, data/mqar): eval.py's evaluate, kept in run_dir/lengths.json; None for a plain one."""
+    import eval as evaluation
+
+    if not is_masked_dataset(read_meta(resolve_dataset(c.dataset))) or not os.path.exists(os.path.join(run_dir, CHECKPOINT)):
+        return None
+    cache_path = os.path.join(run_dir, "lengths.json")
+    cache = {}
+    if os.path.exists(cache_path):
+        with open(cache_path) as f:
+            cache = json.load(f)
+    if "accuracy" not in cache:
+        cache["accuracy"] = evaluation.evaluate(evaluation.EvalConfig(out_dir=run_dir))["accuracy"]
+        with open(cache_path, "w") as f:
+            json.dump(cache, f, indent=1)
+    return cache["accuracy"]
 
 
 def length_rows(runs, root, study):
@@ -279,16 +310,19 @@ def mean_std(values):
 
 
 def write_results(rows, root, study, command, n_seeds, lengths=None):
+    accuracy = any(row["accuracy"] for row in rows.values())  # a masked dataset's runs (MQAR, conversations)
+    columns = ["variant", "parameters", "final val loss", "best val loss", "final val bits per byte",
+               *(["final val accuracy"] if accuracy else []), "tokens/s", "diverged"]
     lines = [f"# {study['title']}", "",
-             f"`{command}`: {n_seeds} seed(s) per variant; val loss as mean ± std over seeds.", "",
-             "| variant | parameters | final val loss | best val loss | final val bits per byte | tokens/s | diverged |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             f"`{command}`: {n_seeds} seed(s) per variant; val loss as mean ± std over seeds"
+             + ("; accuracy: the argmax on the trained (queried) tokens of the whole val split (eval.py)" if accuracy else "")
+             + ".", "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for name, row in rows.items():
         tps = f"{statistics.mean(row['tps']):,.0f}" if row["tps"] else "-"
         diverged = f"yes ({row['diverged']}/{n_seeds})" if row["diverged"] else "no"
         params = f"{row['params']:,}" if row["params"] else "-"
         lines.append(f"| {name} | {params} | {mean_std(row['final'])} | {mean_std(row['best'])} | {mean_std(row['bpb'])} "
-                     f"| {tps} | {diverged} |")
+                     + (f"| {mean_std(row['accuracy'])} " if accuracy else "") + f"| {tps} | {diverged} |")
     if study.get("targets"):
         lines += ["", "Steps to reach a val loss (median over seeds; - where a seed never got there):", "",
                   "| variant | " + " | ".join(f"val <= {t:g}" for t in study["targets"]) + " |",
@@ -306,6 +340,13 @@ def write_results(rows, root, study, command, n_seeds, lengths=None):
             lines.append(f"| {name} | {logit} | {log_z} |")
     if any("induction_score" in r for row in rows.values() for run in row["evals"] for r in run):
         lines += heads_table(rows)
+    if study.get("axis"):
+        metric, by_series = axis_values(rows, study["axis"])
+        xs = sorted({x for values in by_series.values() for x in values})
+        lines += ["", f"Final val {metric} (mean ± std over seeds) by {study['axis']['label']}:", "",
+                  "| variant | " + " | ".join(f"{x:g}" for x in xs) + " |", "| --- |" + " --- |" * len(xs)]
+        for series, values in by_series.items():
+            lines.append(f"| {series} | " + " | ".join(mean_std(values.get(x, [])) for x in xs) + " |")
     if lengths:
         lines += write_length_table(lengths, study["eval_lengths"])
     text = "\n".join(lines) + "\n"
@@ -337,6 +378,35 @@ def heads_table(rows):
                      f"{mean_std([run[-1]['icl_score'] for run in scored])} | "
                      f"{mean_std([min(r['icl_score'] for r in run) for run in scored])} |")
     return lines
+
+
+def axis_values(rows, axis):
+    """(metric name, {series: {x: [per seed]}}) of the study's axis: accuracy where the runs have it."""
+    accuracy = any(rows[v]["accuracy"] for v in axis["points"] if v in rows)
+    by_series = {}
+    for variant, (series, x) in axis["points"].items():
+        row = rows.get(variant)
+        if row is not None:
+            by_series.setdefault(series, {})[x] = row["accuracy"] if accuracy else row["bpb"]
+    return ("accuracy" if accuracy else "bits per byte"), by_series
+
+
+def plot_axis(rows, root, study):
+    plt = pyplot()
+    if plt is None:
+        return None
+    metric, by_series = axis_values(rows, study["axis"])
+    fig, ax = plt.subplots(figsize=(8.5, 4.2), dpi=100)
+    for i, (series, values) in enumerate(by_series.items()):
+        xs = sorted(x for x in values if values[x])
+        ax.plot(xs, [statistics.mean(values[x]) for x in xs], marker="o", label=series, linestyle=line_style(i))
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(study["axis"]["label"])
+    ax.set_ylabel(f"final val {metric} (mean over seeds)")
+    figure_title(fig, study["title"])
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return save(plt, fig, os.path.join(root, "axis.png"))
 
 
 def plot(rows, root, title):
@@ -409,7 +479,8 @@ def run_study(argv):
     command = " ".join(["python ablate.py", path, *shrunk])
     print(write_results(rows, root, study, command, len(study["seeds"]), lengths))
     written = [os.path.join(root, "results.md"), plot(rows, root, study["title"]),
-               plot_lengths(lengths, root, study["title"]) if lengths else None]
+               plot_lengths(lengths, root, study["title"]) if lengths else None,
+               plot_axis(rows, root, study) if study.get("axis") else None]
     print("wrote " + ", ".join(path for path in written if path), flush=True)
 
 

@@ -194,3 +194,42 @@ def test_ablate_with_gpt2_offline_is_one_line(tmp_path, char_dataset):
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith("error: variant 'gpt2' seed 1337: could not download 'gpt2'"), result.stderr
     assert "Traceback" not in result.stderr
+
+
+MQAR_STUDY = """
+title = "tiny recall"
+base = dict(n_layer=1, n_head=2, n_embd=16, batch_size=4, max_iters=4, warmup_iters=1, learning_rate=3e-3,
+            eval_interval=4, eval_iters=2, log_interval=4, dtype="float32", device="cpu")
+variants = {{f"{{k}}, {{p}} pairs": dict(attn_pattern=k, dataset=str({root!r}) + f"/mqar{{p}}", block_size=4 * p)
+            for k in ("L", "R") for p in (2, 4)}}
+seeds = [1]
+axis = dict(label="pairs", points={{f"{{k}}, {{p}} pairs": (k, p) for k in ("L", "R") for p in (2, 4)}})
+"""
+
+
+def test_a_masked_datasets_study_tabulates_accuracy_by_its_axis(tmp_path, capsys):
+    """MQAR runs get their final val accuracy (eval.py's, the queried values only), in the main table and
+    in the axis table (series x pairs); a malformed axis is refused before anything trains."""
+    import eval as evaluation
+    from conftest import run_main
+
+    for pairs in (2, 4):
+        made = run_main("data/mqar/prepare.py", f"--pairs={pairs}", "--keys=8", "--values=8", "--train=40", "--val=10",
+                        f"--out_dir={tmp_path / f'mqar{pairs}'}")
+        assert made.returncode == 0, made.stderr
+    study = tmp_path / "study.py"
+    study.write_text(MQAR_STUDY.format(root=str(tmp_path)))
+    ablate.main([str(study), f"--out_dir={tmp_path / 'out'}"])
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "| final val accuracy |" in table and "by pairs:" in table
+    for k in ("L", "R"):
+        scores = [evaluation.evaluate(evaluation.EvalConfig(out_dir=str(tmp_path / "out" / f"{k.lower()}-{p}-pairs" / "seed1")))
+                  ["accuracy"] for p in (2, 4)]
+        assert f"| {k} | {scores[0]:.4f} | {scores[1]:.4f} |" in table  # the axis table: the eval.py figures
+        assert f"| {k}, 4 pairs |" in table and f"| {scores[1]:.4f} |" in table.split(f"| {k}, 4 pairs |")[1].split("\n")[0]
+    capsys.readouterr()
+    study.write_text(MQAR_STUDY.format(root=str(tmp_path)).replace("(k, p) for", "k for"))
+    with pytest.raises(SystemExit):
+        ablate.main([str(study), f"--out_dir={tmp_path / 'bad'}"])
+    assert "axis must be dict(label=..., points={variant: (series, x), ...})" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
