@@ -532,6 +532,14 @@ def test_the_gated_delta_rule_layer_equals_qwen3_nexts(n_kv_head):
         ours = attn(x, model.positions, 0, None, None)
         theirs = twin(x)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    # and the gradients training follows (a detached gate or beta would train a different layer)
+    xa, xb, w = x.clone().requires_grad_(), x.clone().requires_grad_(), torch.randn_like(x)
+    (attn(xa, model.positions, 0, None, None) * w).sum().backward()
+    (twin.train()(xb) * w).sum().backward()
+    pairs = [(xa, xb), (attn.A_log, twin.A_log), (attn.dt_bias, twin.dt_bias), (attn.conv.weight, twin.conv1d.weight),
+             (attn.out_norm.weight, twin.norm.weight), (attn.proj.weight, twin.out_proj.weight)]
+    for a, b in pairs:
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-5)
 
 
 def test_the_gated_delta_rule_layer_refuses_speculation():
