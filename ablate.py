@@ -401,6 +401,8 @@ def plot_axis(rows, root, study):
         xs = sorted(x for x in values if values[x])
         ax.plot(xs, [statistics.mean(values[x]) for x in xs], marker="o", label=series, linestyle=line_style(i))
     ax.set_xscale("log", base=2)
+    ticks = sorted({x for values in by_series.values() for x in values})
+    ax.set_xticks(ticks, [f"{x:g}" for x in ticks])
     ax.set_xlabel(study["axis"]["label"])
     ax.set_ylabel(f"final val {metric} (mean over seeds)")
     figure_title(fig, study["title"])
