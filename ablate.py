@@ -206,49 +206,44 @@ def summarize(runs, root):
     return rows
 
 
+def cached_score(run_dir, key, compute):
+    """compute() of run_dir's final model, kept in run_dir/lengths.json under key: a finished score is not
+    computed again (each is written as soon as it exists, so an interrupted study keeps what it scored)."""
+    path = os.path.join(run_dir, "lengths.json")
+    cache = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            cache = json.load(f)
+    if key not in cache:
+        cache[key] = compute()
+        with open(path, "w") as f:
+            json.dump(cache, f, indent=1)
+    return cache[key]
+
+
 def length_scores(run_dir, lengths, keys=None):
     """{length: val bits per byte} of run_dir's final model at each context (eval.py's evaluate, the whole
-    val split), keys: RoPE scaling to run it with. Kept in run_dir/lengths.json: a finished score is not
-    computed again."""
+    val split), keys: RoPE scaling to run it with."""
     import eval as evaluation  # the scoring of eval.py, as train is the training of train.py
 
-    cache_path = os.path.join(run_dir, "lengths.json")
-    cache = {}
-    if os.path.exists(cache_path):
-        with open(cache_path) as f:
-            cache = json.load(f)
-    scores = {}
-    for length in lengths:
-        key = f"{length} {json.dumps(keys or {}, sort_keys=True)}"
-        if key not in cache:
-            c = evaluation.EvalConfig(out_dir=run_dir, block_size=length, **(keys or {}))
-            try:
-                cache[key] = evaluation.evaluate(c)["bits_per_byte"]
-            except UserError:  # it cannot run at this length (learned positions past their table): a "-"
-                cache[key] = None
-            with open(cache_path, "w") as f:
-                json.dump(cache, f, indent=1)
-        scores[length] = cache[key]
-    return scores
+    def bits_per_byte(length):
+        try:
+            return evaluation.evaluate(evaluation.EvalConfig(out_dir=run_dir, block_size=length, **(keys or {})))["bits_per_byte"]
+        except UserError:  # it cannot run at this length (learned positions past their table): a "-"
+            return None
+
+    return {length: cached_score(run_dir, f"{length} {json.dumps(keys or {}, sort_keys=True)}", lambda: bits_per_byte(length))
+            for length in lengths}
 
 
 def masked_accuracy(run_dir, c):
     """The final model's accuracy on the queried (trained) tokens of its val split, for a masked dataset
-    (conversations, data/mqar): eval.py's evaluate, kept in run_dir/lengths.json; None for a plain one."""
+    (conversations, data/mqar): eval.py's evaluate; None for a plain one."""
     import eval as evaluation
 
     if not is_masked_dataset(read_meta(resolve_dataset(c.dataset))) or not os.path.exists(os.path.join(run_dir, CHECKPOINT)):
         return None
-    cache_path = os.path.join(run_dir, "lengths.json")
-    cache = {}
-    if os.path.exists(cache_path):
-        with open(cache_path) as f:
-            cache = json.load(f)
-    if "accuracy" not in cache:
-        cache["accuracy"] = evaluation.evaluate(evaluation.EvalConfig(out_dir=run_dir))["accuracy"]
-        with open(cache_path, "w") as f:
-            json.dump(cache, f, indent=1)
-    return cache["accuracy"]
+    return cached_score(run_dir, "accuracy", lambda: evaluation.evaluate(evaluation.EvalConfig(out_dir=run_dir))["accuracy"])
 
 
 def length_rows(runs, root, study):
@@ -279,21 +274,27 @@ def write_length_table(rows, lengths):
 
 
 def plot_lengths(rows, root, title):
+    return plot_series(rows, root, title, "evaluation context (tokens)", "val bits per byte (mean over seeds)", "lengths.png")
+
+
+def plot_series(series, root, title, xlabel, ylabel, name):
+    """{series: {x: [value per seed]}} as one line per series over a log2 x axis, in root/name."""
     plt = pyplot()
-    if plt is None or not rows:
+    if plt is None or not series:
         return None
     fig, ax = plt.subplots(figsize=(8.5, 4.2), dpi=100)
-    for i, (name, by_length) in enumerate(rows.items()):
-        lengths = sorted(n for n in by_length if by_length[n])
-        ax.plot(lengths, [statistics.mean(by_length[n]) for n in lengths], marker="o", label=name,
-                linestyle=line_style(i))
+    for i, (label, values) in enumerate(series.items()):
+        xs = sorted(x for x in values if values[x])
+        ax.plot(xs, [statistics.mean(values[x]) for x in xs], marker="o", label=label, linestyle=line_style(i))
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("evaluation context (tokens)")
-    ax.set_ylabel("val bits per byte (mean over seeds)")
+    ticks = sorted({x for values in series.values() for x in values})
+    ax.set_xticks(ticks, [f"{x:g}" for x in ticks])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     figure_title(fig, title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return save(plt, fig, os.path.join(root, "lengths.png"))
+    return save(plt, fig, os.path.join(root, name))
 
 
 def steps_to_reach(runs, target):
@@ -392,23 +393,8 @@ def axis_values(rows, axis):
 
 
 def plot_axis(rows, root, study):
-    plt = pyplot()
-    if plt is None:
-        return None
     metric, by_series = axis_values(rows, study["axis"])
-    fig, ax = plt.subplots(figsize=(8.5, 4.2), dpi=100)
-    for i, (series, values) in enumerate(by_series.items()):
-        xs = sorted(x for x in values if values[x])
-        ax.plot(xs, [statistics.mean(values[x]) for x in xs], marker="o", label=series, linestyle=line_style(i))
-    ax.set_xscale("log", base=2)
-    ticks = sorted({x for values in by_series.values() for x in values})
-    ax.set_xticks(ticks, [f"{x:g}" for x in ticks])
-    ax.set_xlabel(study["axis"]["label"])
-    ax.set_ylabel(f"final val {metric} (mean over seeds)")
-    figure_title(fig, study["title"])
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    return save(plt, fig, os.path.join(root, "axis.png"))
+    return plot_series(by_series, root, study["title"], study["axis"]["label"], f"final val {metric} (mean over seeds)", "axis.png")
 
 
 def plot(rows, root, title):
