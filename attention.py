@@ -26,12 +26,15 @@ code asks a kind only through this protocol (defaults in Attention), never by it
   static_cache(cache, length, max_len)   a StaticCache holding what the (dynamic) cache holds after a prefill
   step(q, k, v, gates, pos, cache, positions)   one token per row, row b at position pos[b] (a (B,) tensor),
                             through a StaticCache: a pure function of tensors, so it compiles with fullgraph
+  seq_dim                   the time axis of heads()'s outputs: 2 for (B, H, T, D), the default; what a kind
+                            computes before its heads (GatedDeltaNet's convolution input, (B, T, channels)): 1
   gates(x)                  per-token extras from the block input (a forget gate, a delta rule's beta): None,
                             a tensor or a tuple of tensors with the batch first; they travel with q, k and v
   mix(q, k, v, gates, start, mask, cache, positions)   heads (B, H, T, D) of positions start.. -> outputs
 
 Attention.forward runs the batch at one position; forward_rows runs decode rows each at its own position
-(GPT.decode_rows), written once for every kind. Caches update their own state. The softmax kernels
+(GPT.decode_rows), and forward_mixed decode rows and a prompt's chunk together (GPT.decode_and_prefill),
+written once for every kind. Caches update their own state. The softmax kernels
 (attn_impl: KERNELS) are here too: SDPA, and the explicit masked softmax kept as its reference, and
 FlexAttention for windows and position biases on GPUs (layer_mask).
 """
@@ -199,6 +202,7 @@ class Attention(nn.Module):
     exports_as = None
     Cache = None
     StaticCache = None
+    seq_dim = 2  # the time axis of what heads() returns: (B, H, T, D)
 
     def __init__(self, config):
         super().__init__()
@@ -257,6 +261,18 @@ class Attention(nn.Module):
         q, k, v = self.heads(x)
         return self.out(self.step(q, k, v, self.gates(x), pos, cache, positions))
 
+    def forward_mixed(self, x, n, positions, pos, static, start, mask, cache):
+        """x (n + T, 1, C), one token per row: rows :n decoded tokens of their own sequences at positions pos,
+        through the StaticCache `static` (forward_static's way), rows n: the next T tokens of one sequence
+        from position start, through its cache (forward's way). The projections run once for all n + T
+        tokens (GPT.decode_and_prefill); step and mix each take their part."""
+        q, k, v = self.heads(x)
+        gates = self.gates(x)
+        rows = self.step(*each((q, k, v), lambda t: t[:n]), each(gates, lambda t: t[:n]), pos, static, positions)
+        seq = self.mix(*each((q, k, v), lambda t: t[n:].transpose(0, self.seq_dim)),
+                       each(gates, lambda t: t[n:].transpose(0, 1)), start, mask, cache, positions)
+        return self.out(torch.cat([rows, seq.transpose(0, 2)]))
+
     def heads(self, x):
         """x (B, T, C) -> queries (B, n_head, T, D), keys and values (B, n_kv_head, T, D)."""
         B, T, _ = x.shape
@@ -274,6 +290,13 @@ class Attention(nn.Module):
 
 def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
+
+
+def each(x, f):
+    """f applied to x, a tensor, or to each tensor of a tuple (None left as it is): heads' and gates' outputs."""
+    if isinstance(x, tuple):
+        return tuple(each(t, f) for t in x)
+    return None if x is None else f(x)
 
 
 def row_of(gates, i):
@@ -819,6 +842,8 @@ class GatedDeltaNet(Attention):
 
     def new_cache(self, max_len):
         return self.Cache()
+
+    seq_dim = 1
 
     def heads(self, x):
         """The convolution's input (B, T, channels): q, k and v are made in mix, after it."""

@@ -281,10 +281,18 @@ class BatchRows:
     def step(self, tokens, positions):
         """tokens (n, 1) at positions (a list of n ints) -> logits (n, vocab). Full layers attend over the
         positions up to the longest row's, not their whole capacity."""
+        return self.model.decode_static(*self.inputs(tokens, positions))
+
+    def step_and_prefill(self, tokens, positions, idx, cache, last=1):
+        """step(), and in the same pass idx (1, T) into a joining sequence's own cache (GPT.decode_and_prefill)
+        -> (logits (n, vocab), idx's last `last` logits (1, last, vocab))."""
+        return self.model.decode_and_prefill(*self.inputs(tokens, positions), idx, cache, last)
+
+    def inputs(self, tokens, positions):
         length = max(positions) + 1
         self.reserve(length)
         pos = torch.tensor(positions, device=tokens.device)
-        return self.model.decode_static(tokens, pos, [layer.rows(self.n, length) for layer in self.layers])
+        return tokens, pos, [layer.rows(self.n, length) for layer in self.layers]
 
 
 class DynamicRows:
@@ -305,6 +313,10 @@ class DynamicRows:
 
     def step(self, tokens, positions):
         return self.model.decode_rows(tokens, self.caches)
+
+    def step_and_prefill(self, tokens, positions, idx, cache, last=1):
+        """step() and the prefill of idx, one after the other (decode_rows has no shared pass)."""
+        return self.step(tokens, positions), self.model.forward_cached(idx, cache, last)
 
 
 def row_batch(model, max_rows):

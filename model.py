@@ -237,6 +237,10 @@ class Block(nn.Module):
         """GPT.decode_static: row b of x (B, 1, C) a token at position pos[b], through a StaticCache."""
         return self.residual(x, lambda h: self.attn.forward_static(h, positions, pos, cache))
 
+    def forward_mixed(self, x, n, positions, pos, static, start, mask, cache):
+        """GPT.decode_and_prefill: x (n + T, 1, C), n decoded tokens and a prompt's next T (Attention.forward_mixed)."""
+        return self.residual(x, lambda h: self.attn.forward_mixed(h, n, positions, pos, static, start, mask, cache))
+
     def residual(self, x, attend):
         if self.post_norm:  # Vaswani et al. (2017): each residual sum normalised; needs warmup to train
             x = self.norm1(x + attend(x))
@@ -424,6 +428,27 @@ class GPT(nn.Module):
         for block, cache in zip(self.blocks, caches):
             x = block.forward_static(x, self.positions, pos, cache)
         return self.lm_head(self.norm_f(x))[:, -1]
+
+    def decode_and_prefill(self, tokens, pos, caches, idx, cache, last=1):
+        """decode_static's step for its n rows and, in the same pass, idx (1, T) continuing what cache (a
+        KVCache, as forward_cached takes it) holds -> (the rows' logits (n, vocab), the logits of idx's last
+        `last` positions (1, last, vocab)). The n + T tokens go through the norms, projections, MLPs and
+        head as rows of one batch, so the weights are read once for both: a server that decodes at the
+        memory limit prefills a joining prompt almost for free (Sarathi-Serve's piggybacked chunks).
+        Attention splits them: the rows through their static caches, idx through its cache."""
+        n, T, start = tokens.size(0), idx.size(1), cache.length
+        limit = self.config.context_limit
+        if limit is not None and start + T > limit:
+            raise ValueError(f"sequence of {start + T} tokens is longer than block_size={limit}")
+        x = torch.cat([self.positions.embed_at(self.tok_emb(tokens), pos),
+                       self.positions.embed(self.tok_emb(idx), start).transpose(0, 1)])  # (n + T, 1, C)
+        x = self.drop(x)
+        masks = self.masks(start, T, idx.device)
+        for block, kind, static, layer in zip(self.blocks, self.config.layer_kinds, caches, cache.layers):
+            x = block.forward_mixed(x, n, self.positions, pos, static, start, masks[kind], layer)
+        cache.advance(T)
+        logits = self.lm_head(self.norm_f(torch.cat([x[:n], x[n + T - last :]])))[:, 0]
+        return logits[:n], logits[n:][None]
 
     def forward_cached(self, idx, cache=None, last=1):
         """idx (B, T) continuing what cache holds (without a cache: a whole sequence) -> the logits of its

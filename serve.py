@@ -204,14 +204,14 @@ class Engine:
                 free = self.max_batch - self.occupied()
                 self.joining.extend(self.waiting.popleft() for _ in range(min(free, len(self.waiting))))
             self.drop_finished()
-            if self.joining:
-                job = self.joining[0]
+            job = riding = self.joining[0] if self.joining else None
+            if job is not None and not self.rows:  # no batch pass to share: the chunk alone
                 self.guarded(job, self.prefill)
-                if job.cache is None or job.finish_reason is not None:  # its prompt is done (or it failed)
-                    self.joining.popleft()
-            self.drop_finished()
+                riding = None
             if self.rows or self.sliding:
-                self.step()
+                self.step(riding)
+            if job is not None and (job.cache is None or job.finish_reason is not None):  # its prompt is done (or it failed)
+                self.joining.popleft()
             self.outbox.flush()
 
     def guarded(self, job, work):
@@ -245,18 +245,25 @@ class Engine:
 
     @torch.no_grad()
     def prefill(self, job):
-        """The next prefill_chunk tokens of the prompt into the job's cache; after the last, the first token
-        (or, with max_tokens 0, none) and the job joins the batch."""
+        """The next prefill_chunk tokens of the prompt into the job's cache, in a pass of their own."""
+        self.prefilled(job, self.model.forward_cached(*self.chunk(job)))
+
+    def chunk(self, job):
+        """(the next prefill_chunk tokens of job's prompt (1, T), its cache, how many logits it needs)."""
         if job.cache is None:
             job.cache, job.prompt_logits = self.model.new_cache(), []
         start = job.cache.length
         end = min(len(job.prompt), start + self.prefill_chunk)
         want_prompt = job.echo and job.logprobs is not None
-        chunk = torch.tensor([job.prompt[start:end]], device=self.device)
-        logits = self.model.forward_cached(chunk, job.cache, last=end - start if want_prompt else 1)
+        return torch.tensor([job.prompt[start:end]], device=self.device), job.cache, end - start if want_prompt else 1
+
+    def prefilled(self, job, logits):
+        """After a chunk of job's prompt (logits: what chunk() asked for): after the last, the first token
+        (or, with max_tokens 0, none) and the job joins the batch."""
+        want_prompt = job.echo and job.logprobs is not None
         if want_prompt:
             job.prompt_logits.append(logits)
-        if end < len(job.prompt):
+        if job.cache.length < len(job.prompt):
             return
         if want_prompt:
             job.scored_prompt(torch.cat(job.prompt_logits, dim=1))
@@ -272,31 +279,43 @@ class Engine:
                 self.rows.append(job)
 
     @torch.no_grad()
-    def step(self):
+    def step(self, joining=None):
         """One token for every row: the batch's decode step (and, for rows whose text has outgrown the
         model's context, their last block_size tokens afresh, as generate() and sample.py do past
-        block_size: every cached key is stale there), then one sampling call per setting."""
+        block_size: every cached key is stale there), then one sampling call per setting. With a joining
+        job, the next chunk of its prompt goes through the same pass (BatchRows.step_and_prefill: the weights
+        read once for both)."""
         for i in reversed(range(len(self.rows))):
             if self.past_context(self.rows[i]):
                 self.sliding.append(self.rows[i])
                 self.leave(i)
+        if joining is not None and not self.rows:  # no batch pass left to share
+            self.guarded(joining, self.prefill)
+            joining = None
         rows = self.rows + self.sliding
         try:
             logits = []
             if self.rows:
                 tokens = torch.tensor([[job.tokens[-1]] for job in self.rows], device=self.device)
-                logits.append(self.batch.step(tokens, [len(job.prompt) + len(job.tokens) - 1 for job in self.rows]))
+                positions = [len(job.prompt) + len(job.tokens) - 1 for job in self.rows]
+                if joining is None:
+                    logits.append(self.batch.step(tokens, positions))
+                else:
+                    decoded, chunk_logits = self.batch.step_and_prefill(tokens, positions, *self.chunk(joining))
+                    logits.append(decoded)
             logits.extend(self.slide(job)[None] for job in self.sliding)
             logits = torch.cat(logits)
             tokens = sample_rows(logits, [job.sampling for job in rows], [job.generator for job in rows]).tolist()
         except Exception as e:  # noqa: BLE001: (out of memory, say) these requests fail, the server goes on
-            for job in rows:
-                job.finish_reason = "error"
+            for job in rows + ([joining] if joining is not None else []):
+                job.finish_reason, job.cache = "error", None
                 job.send(("error", f"{type(e).__name__}: {e}"))
             return
         self.steps, self.widest = self.steps + 1, max(self.widest, len(rows))
         for job, token, row in zip(rows, tokens, logits):
             self.guarded(job, lambda job: job.accept(token, row[None]))
+        if joining is not None:  # after the rows: it joins the batch at the next step
+            self.guarded(joining, lambda job: self.prefilled(job, chunk_logits))
 
     def slide(self, job):
         """The next logits of a row past the context: generate.next_logits's window, run afresh."""

@@ -259,6 +259,36 @@ def test_a_batch_of_rows_at_their_own_lengths_decodes_each_as_alone(case):
         attention.KINDS.pop("Q", None)
 
 
+@pytest.mark.parametrize("case", [{}, dict(pos_emb="alibi"), dict(pos_emb="t5"), dict(pos_emb="rope", n_kv_head=2, qk_norm=True),
+                                  dict(pos_emb="rope", attn_pattern="SRDNM", n_layer=5, attn_window=4)],
+                         ids=["learned", "alibi", "t5", "gqa", "every bounded kind"])
+def test_a_prompt_chunk_in_the_batchs_pass_equals_its_own_prefill(case):
+    """BatchRows.step_and_prefill (GPT.decode_and_prefill: the rows' step and a joining prompt's chunk as
+    rows of one pass): the rows' logits are step()'s, the chunk's are forward_cached's, and both caches
+    go on as if each had run alone."""
+    import copy
+
+    model = build(**case)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        batch, lengths = generate.row_batch(model, max_rows=4), [3, 9, 5]
+        for n in lengths:
+            cache = model.new_cache()
+            model.forward_cached(torch.randint(0, 61, (1, n), generator=g), cache)
+            batch.add(cache)
+        alone_batch = copy.deepcopy(batch)
+        tokens, prompt = torch.randint(0, 61, (3, 1), generator=g), torch.randint(0, 61, (1, 7), generator=g)
+        mixed, alone = model.new_cache(), model.new_cache()
+        model.forward_cached(prompt[:, :2], mixed), model.forward_cached(prompt[:, :2], alone)  # a chunk came before
+        rows, chunk = batch.step_and_prefill(tokens, lengths, prompt[:, 2:], mixed, last=5)
+        assert rows.shape == (3, 61) and chunk.shape == (1, 5, 61) and mixed.length == 7
+        assert torch.allclose(rows, alone_batch.step(tokens, lengths), atol=1e-5)
+        assert torch.allclose(chunk, model.forward_cached(prompt[:, 2:], alone, last=5), atol=1e-5)
+        after, lengths = torch.randint(0, 61, (3, 1), generator=g), [n + 1 for n in lengths]
+        assert torch.allclose(batch.step(after, lengths), alone_batch.step(after, lengths), atol=1e-5)
+        assert torch.allclose(model.forward_cached(after[:1], mixed), model.forward_cached(after[:1], alone), atol=1e-5)
+
+
 def step_rows(model, batch, rows, g):
     """One batch step of random tokens, each row's logits against its own cache's: the largest difference."""
     tokens = torch.randint(0, 61, (len(rows), 1), generator=g)
