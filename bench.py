@@ -34,7 +34,7 @@ from dataset import write_json
 from generate import Sampling
 from model import MODEL_CHOICES, GPT, ModelKeys, lm_loss, model_config, model_helps
 from optim import OPTIMIZERS, build_optimizers
-from quantize import ROW_PRODUCTS, WEIGHTS_DTYPES, Int8Linear, RowLinear, for_inference, row_product_choices
+from quantize import ROW_PRODUCTS, WEIGHTS_DTYPES, Int8Linear, RowLinear, for_inference, row_product_choices, use_row_product
 from device import COMPUTE_DTYPES, DEVICES, autocast, cpu_facts, cuda_peak_flops, estimate_mfu, pick_device, pick_dtype, precision
 
 
@@ -329,21 +329,17 @@ def bench_sample(model, tokenizer, c, device):
         "prefill": lambda: generate.next_logits(model, prompt, P, model.new_cache()),
         "ours": lambda: generate.generate(model, prompt, N, GREEDY),
     }
+    setups = {}  # name -> what runs before each of its timed runs, outside the time
     if c.compare == "row_products":
         rows = [m for m in model.modules() if isinstance(m, RowLinear)]
         if not rows:
             raise ConfigError("compare=row_products: this model has no one-row products to compare (CPU, float weights only)")
 
-        def with_product(name):
-            def run():
-                for m in rows:
-                    m.product = name
-                return generate.generate(model, prompt, N, GREEDY)
-            return run
-
         chosen = rows[0].product  # "ours" below: its times are the chosen product's
-        runs["ours"] = with_product(chosen)
-        runs.update({f"ours_{name}": with_product(name) for name in ROW_PRODUCTS if name != chosen})
+        runs.update({f"ours_{name}": runs["ours"] for name in ROW_PRODUCTS if name != chosen})
+        # each product with its weights laid out for it, re-laid before its run and outside its time
+        setups = {f"ours_{name}": (lambda name=name: use_row_product(model, name)) for name in ROW_PRODUCTS}
+        setups["ours"] = setups["prefill"] = setups.pop(f"ours_{chosen}")  # the decode figure is ours less its prefill
     compile_seconds = None
     if c.compare == "compiled":
         checked(generate.check_static, model)
@@ -354,14 +350,21 @@ def bench_sample(model, tokenizer, c, device):
         mask = torch.ones_like(prompt)
         runs["hf"] = lambda: twin.generate(prompt, attention_mask=mask, max_new_tokens=N, min_new_tokens=N,
                                            do_sample=False, pad_token_id=0)
+
+    def timed(name, run):
+        def time_it():
+            if name in setups:
+                setups[name]()
+            return seconds(run, device)
+        return time_it
+
     with torch.no_grad():
-        for run in runs.values():
+        for name, run in runs.items():
             for _ in range(c.warmup):
-                run()
-        times = interleave({name: (lambda run=run: seconds(run, device)) for name, run in runs.items()}, c.rounds)
+                timed(name, run)()
+        times = interleave({name: timed(name, run) for name, run in runs.items()}, c.rounds)
     if c.compare == "row_products":
-        for m in rows:
-            m.product = chosen  # back in place for the timings by context below
+        use_row_product(model, chosen)  # back in place for the timings by context below
         times[f"ours_{chosen}"] = times["ours"]
     prefill, total = statistics.median(times["prefill"]), statistics.median(times["ours"])
     weight_bytes = bytes_read_per_token(model)

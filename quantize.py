@@ -19,21 +19,54 @@ def onednn_linear(row, weight, bias):
     return torch.ops.mkldnn._linear_pointwise(row, weight, bias, "none", [], "")
 
 
-# One row times a weight matrix, four ways (row: 1 x in_features). MKL streams the weights at memory speed
-# in "linear" on Intel CPUs and far below it on AMD ones (or under MKL_CBWR=COMPATIBLE, its generic code);
-# aten's own bf16 kernel reads bf16 weights at under half fp32's bytes/s in "linear" but not in mv
-# (docs/research_log.md). Their order is the order of preference: a later one is chosen only when it is
-# clearly faster.
+_bag_indices = {}  # (in_features, bags) -> (indices, offsets)
+
+
+def bags_linear(row, weight, bias):
+    """row @ weight.T as a weighted sum of weight.T's rows: fbgemm's embedding_bag reads them at memory speed
+    with one bag per thread where BLAS's matrix-vector product does not (AMD, docs/research_log.md). It wants
+    weight stored transposed (TRANSPOSED), so that weight.t() is the contiguous table; the bags' partial
+    sums are added after."""
+    k = weight.size(1)
+    bags = max(1, min(torch.get_num_threads(), k))
+    if (k, bags) not in _bag_indices:
+        _bag_indices[k, bags] = (torch.arange(k), torch.arange(bags) * k // bags)
+    indices, offsets = _bag_indices[k, bags]
+    y = F.embedding_bag(indices, weight.t(), offsets, mode="sum", per_sample_weights=row[0]).sum(0, keepdim=True)
+    return y if bias is None else y + bias
+
+
+# One row times a weight matrix, five ways (row: 1 x in_features). MKL streams the weights at memory speed
+# in "linear" on Intel CPUs and at one thread's bandwidth on AMD ones (or under MKL_CBWR=COMPATIBLE, its
+# generic code), where "bags" reads them with every thread; aten's own bf16 kernel reads bf16 weights at
+# under half fp32's bytes/s in "linear" but not in mv (docs/research_log.md). Their order is the order of
+# preference: a later one is chosen only when it is clearly faster.
 ROW_PRODUCTS = {
     "linear": F.linear,
     "addmv": lambda row, weight, bias: torch.mv(weight, row[0]) if bias is None else torch.addmv(bias, weight, row[0]),
     "mv": lambda row, weight, bias: torch.mv(weight, row[0]) if bias is None else torch.mv(weight, row[0]) + bias,
     "onednn": onednn_linear,
+    "bags": bags_linear,
 }
+TRANSPOSED = {"bags"}  # products that read weights stored transposed (weight.t() contiguous); the others, as stored
 ROW_OVERRIDE = "SMALLGPT_ROW_PRODUCT"
 MIN_GAIN = 1.2  # a later product must beat the chosen one by this much: near ties keep the earlier one, run after run
 MEASURED_BYTES = 128 << 20  # at most this much of the model's weights is streamed per timing
 _chosen = {}  # dtype -> (name, {name: GB/s}): the decision, once per process
+
+
+def laid_out(weight, product):
+    """weight's values stored as `product` reads them best: transposed for TRANSPOSED, else row-major."""
+    return weight.t().contiguous().t() if product in TRANSPOSED else weight.contiguous()
+
+
+def use_row_product(model, product):
+    """Every RowLinear of the model computes one row with `product`, its weight laid out for it (in place: the
+    same Parameters, so a tied head stays tied; the embedding's lookups read the same values)."""
+    for m in model.modules():
+        if isinstance(m, RowLinear):
+            m.product = product
+            m.weight.data = laid_out(m.weight.data, product)
 
 
 def time_row_products(linears, rounds=5):
@@ -42,12 +75,13 @@ def time_row_products(linears, rounds=5):
     rows = {w.size(1): torch.randn(1, w.size(1), generator=generator).to(w.dtype) for w, _ in linears}
     best = dict.fromkeys(ROW_PRODUCTS, float("inf"))
     products = dict(ROW_PRODUCTS)
+    transposed = [(laid_out(w, "bags"), b) for w, b in linears] if TRANSPOSED & set(products) else []
     with torch.no_grad():
         for r in range(rounds + 1):  # round 0 warms up (and pages the weights in)
             for name, product in list(products.items()):
                 start = time.perf_counter()
                 try:
-                    for w, b in linears:
+                    for w, b in transposed if name in TRANSPOSED else linears:
                         product(rows[w.size(1)], w, b)
                 except (RuntimeError, AttributeError, NotImplementedError):  # e.g. oneDNN without fp16, or no oneDNN
                     del products[name]
@@ -195,4 +229,5 @@ def for_inference(model, weights_dtype):
         linears = {id(m.weight): (m.weight.detach(), m.bias) for m in model.modules() if type(m) is nn.Linear}
         product = row_product(list(linears.values()))
         replace_linears(model, lambda linear: row_linear(linear, product))
+        use_row_product(model, product)
     return model

@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import generate
 import quantize
 from configurator import ConfigError
 from generate import Sampling
@@ -16,9 +17,12 @@ GREEDY = Sampling(temperature=0)
 @pytest.mark.parametrize("product", list(quantize.ROW_PRODUCTS))
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_linear_computes_what_linear_does(bias, dtype, product):
+@pytest.mark.parametrize("layout", ["natural", "product's"])
+def test_row_linear_computes_what_linear_does(bias, dtype, product, layout):
     torch.manual_seed(0)
     linear = torch.nn.Linear(96, 40, bias=bias).to(dtype)
+    if layout == "product's":  # e.g. stored transposed for bags; F.linear (several rows) reads it too
+        linear.weight.data = quantize.laid_out(linear.weight.data, product)
     if quantize.time_row_products([(linear.weight.detach(), linear.bias)], rounds=1)[product] == 0.0:
         pytest.skip(f"{product} cannot run {dtype} on this CPU (oneDNN has no bf16 inner product without AVX512-BF16)")
     row = quantize.row_linear(linear, product)
@@ -32,11 +36,12 @@ def test_row_linear_computes_what_linear_does(bias, dtype, product):
 
 
 @pytest.mark.parametrize("speeds, chosen", [
-    (dict(linear=45, addmv=44, mv=46, onednn=29), "linear"),  # MKL at memory speed (Intel): kept
-    (dict(linear=10.7, addmv=11.1, mv=11.1, onednn=15.2), "onednn"),  # MKL's generic path (measured, AMD EPYC)
-    (dict(linear=12.6, addmv=11.0, mv=11.8, onednn=13.0), "linear"),  # a near tie stays with the earlier one
-    (dict(linear=4.0, addmv=2.5, mv=9.0, onednn=3.0), "mv"),  # bf16 without fast bf16: mv, the bias after it
-    (dict(linear=4.0, addmv=9.0, mv=9.5, onednn=3.0), "addmv"),  # bf16 on AMX: the fused bias, not a near tie
+    (dict(linear=45, addmv=44, mv=46, onednn=29, bags=50), "linear"),  # MKL at memory speed (Intel): kept
+    (dict(linear=10.7, addmv=11.1, mv=11.1, onednn=15.2, bags=0.0), "onednn"),  # MKL's generic path (AMD EPYC), no bags
+    (dict(linear=17.2, addmv=16.9, mv=17.1, onednn=30.4, bags=47.0), "bags"),  # every thread reads (measured, AMD Zen 5)
+    (dict(linear=12.6, addmv=11.0, mv=11.8, onednn=13.0, bags=14.0), "linear"),  # near ties stay with the earlier one
+    (dict(linear=4.0, addmv=2.5, mv=9.0, onednn=3.0, bags=10.0), "mv"),  # bf16 without fast bf16: mv, the bias after it
+    (dict(linear=4.0, addmv=9.0, mv=9.5, onednn=3.0, bags=2.0), "addmv"),  # bf16 on AMX: the fused bias, not a near tie
 ])  # fmt: skip
 def test_the_row_product_changes_only_for_a_clear_gain(speeds, chosen):
     assert quantize.pick_row_product(speeds) == chosen
@@ -51,7 +56,7 @@ def test_row_product_is_measured_once_and_can_be_set(monkeypatch):
     assert quantize.row_product(linears) == "mv"  # decided once per process and dtype
     monkeypatch.setattr(quantize, "_chosen", {})
     monkeypatch.setenv(quantize.ROW_OVERRIDE, "blas")
-    with pytest.raises(ConfigError, match="SMALLGPT_ROW_PRODUCT='blas': use one of linear, addmv, mv, onednn, or unset it"):
+    with pytest.raises(ConfigError, match="SMALLGPT_ROW_PRODUCT='blas': use one of linear, addmv, mv, onednn, bags, or unset it"):
         quantize.row_product(linears)
     monkeypatch.delenv(quantize.ROW_OVERRIDE)
     chosen = quantize.row_product(linears)
@@ -83,6 +88,27 @@ def test_bf16_inference_decodes_like_the_uncached_bf16_forward(arch):
             torch.testing.assert_close(step, reference[0, t], atol=0.01 * reference.abs().max().item(), rtol=0)
     assert type(for_inference(GPT(model.config), "float32").lm_head) is quantize.RowLinear
     assert type(for_inference(GPT(model.config), "int8").lm_head) is Int8Linear
+
+
+def test_a_transposed_product_relays_the_weights_in_place_and_decodes_the_same_tokens(monkeypatch):
+    monkeypatch.setattr(quantize, "_chosen", {})
+    monkeypatch.setenv(quantize.ROW_OVERRIDE, "bags")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=100))
+    embedding = model.tok_emb.weight.detach().clone()
+    model = for_inference(model, "float32")
+    rows = [m for m in model.modules() if type(m) is quantize.RowLinear]
+    assert {m.product for m in rows} == {"bags"} and all(m.weight.t().is_contiguous() for m in rows)
+    assert model.lm_head.weight is model.tok_emb.weight and torch.equal(model.tok_emb.weight, embedding)
+    prompt = torch.randint(100, (1, 5))
+    with torch.no_grad():
+        bags = generate.generate(model, prompt, 30, GREEDY)
+        logits = model(prompt, kv_cache=model.new_cache())[0][0, -1]
+        quantize.use_row_product(model, "linear")
+        assert all(m.weight.is_contiguous() and m.product == "linear" for m in rows)
+        assert model.lm_head.weight is model.tok_emb.weight and torch.equal(model.tok_emb.weight, embedding)
+        torch.testing.assert_close(model(prompt, kv_cache=model.new_cache())[0][0, -1], logits, atol=1e-5, rtol=1e-5)
+        assert torch.equal(generate.generate(model, prompt, 30, GREEDY), bags)
 
 
 # ---------------------------------------------------------------------------------------------------
