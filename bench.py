@@ -34,7 +34,8 @@ from dataset import write_json
 from generate import Sampling
 from model import MODEL_CHOICES, GPT, ModelKeys, lm_loss, model_config, model_helps
 from optim import OPTIMIZERS, build_optimizers
-from quantize import ROW_PRODUCTS, WEIGHTS_DTYPES, Int8Linear, RowLinear, for_inference, row_product_choices, use_row_product
+from quantize import (ROW_PRODUCTS, WEIGHTS_DTYPES, Int8Linear, RowLinear, for_inference, row_product_choices, runs_here,
+                      shape_key, use_row_product)
 from device import COMPUTE_DTYPES, DEVICES, autocast, cpu_facts, cuda_peak_flops, estimate_mfu, pick_device, pick_dtype, precision
 
 
@@ -334,12 +335,13 @@ def bench_sample(model, tokenizer, c, device):
         rows = [m for m in model.modules() if isinstance(m, RowLinear)]
         if not rows:
             raise ConfigError("compare=row_products: this model has no one-row products to compare (CPU, float weights only)")
-
-        chosen = rows[0].product  # "ours" below: its times are the chosen product's
-        runs.update({f"ours_{name}": runs["ours"] for name in ROW_PRODUCTS if name != chosen})
+        chosen = {shape_key(m.weight): m.product for m in rows}  # "ours" below: each shape's product, as loaded
+        one_per_shape = list({shape_key(m.weight): (m.weight.detach(), m.bias) for m in rows}.values())
+        products = [name for name in ROW_PRODUCTS if runs_here(name, one_per_shape)]  # bf16 oneDNN may not
+        runs.update({f"ours_{name}": runs["ours"] for name in products})
         # each product with its weights laid out for it, re-laid before its run and outside its time
-        setups = {f"ours_{name}": (lambda name=name: use_row_product(model, name)) for name in ROW_PRODUCTS}
-        setups["ours"] = setups["prefill"] = setups.pop(f"ours_{chosen}")  # the decode figure is ours less its prefill
+        setups = {f"ours_{name}": (lambda name=name: use_row_product(model, name)) for name in products}
+        setups["ours"] = setups["prefill"] = lambda: use_row_product(model, chosen)  # the decode figure is ours less its prefill
     compile_seconds = None
     if c.compare == "compiled":
         checked(generate.check_static, model)
@@ -365,7 +367,6 @@ def bench_sample(model, tokenizer, c, device):
         times = interleave({name: timed(name, run) for name, run in runs.items()}, c.rounds)
     if c.compare == "row_products":
         use_row_product(model, chosen)  # back in place for the timings by context below
-        times[f"ours_{chosen}"] = times["ours"]
     prefill, total = statistics.median(times["prefill"]), statistics.median(times["ours"])
     weight_bytes = bytes_read_per_token(model)
     bandwidth = copy_bandwidth(device)
@@ -379,9 +380,9 @@ def bench_sample(model, tokenizer, c, device):
         **decode_by_context(model, c, device), **peak_memory(device),
     }  # fmt: skip
     if c.compare == "row_products":
-        result.update(row_product=chosen,
-                      generate_tokens_per_sec_by_row_product={n: N / statistics.median(times[f"ours_{n}"]) for n in ROW_PRODUCTS},
-                      chosen_vs_row_product={n: median_ratio(times, f"ours_{n}", "ours") for n in ROW_PRODUCTS})
+        result.update(row_product={f"{n}x{k}": name for (_, n, k), name in chosen.items()},
+                      generate_tokens_per_sec_by_row_product={n: N / statistics.median(times[f"ours_{n}"]) for n in products},
+                      chosen_vs_row_product={n: median_ratio(times, f"ours_{n}", "ours") for n in products})
     if "compiled" in times:
         compiled = statistics.median(times["compiled"])
         result.update(compiled_compile_seconds=compile_seconds, compiled_generate_tokens_per_sec=N / compiled,

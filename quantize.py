@@ -36,23 +36,29 @@ def bags_linear(row, weight, bias):
     return y if bias is None else y + bias
 
 
-# One row times a weight matrix, five ways (row: 1 x in_features). MKL streams the weights at memory speed
+# One row times a weight matrix, six ways (row: 1 x in_features). MKL streams the weights at memory speed
 # in "linear" on Intel CPUs and at one thread's bandwidth on AMD ones (or under MKL_CBWR=COMPATIBLE, its
-# generic code), where "bags" reads them with every thread; aten's own bf16 kernel reads bf16 weights at
-# under half fp32's bytes/s in "linear" but not in mv (docs/research_log.md). Their order is the order of
+# generic code), where "bags" reads them with every thread on some CPUs, and on others MKL's kernel for the
+# other layout ("linear_t": the same F.linear over the weight stored transposed) reads a tall matrix
+# 1.3-1.6x faster than its own row-major one; aten's own bf16 kernel reads bf16 weights at under half
+# fp32's bytes/s in "linear" but not in mv (docs/research_log.md). Which is fastest differs by CPU, dtype
+# and the matrix's shape, so each shape of a model gets its own, measured. Their order is the order of
 # preference: a later one is chosen only when it is clearly faster.
 ROW_PRODUCTS = {
     "linear": F.linear,
     "addmv": lambda row, weight, bias: torch.mv(weight, row[0]) if bias is None else torch.addmv(bias, weight, row[0]),
     "mv": lambda row, weight, bias: torch.mv(weight, row[0]) if bias is None else torch.mv(weight, row[0]) + bias,
     "onednn": onednn_linear,
+    "linear_t": F.linear,
     "bags": bags_linear,
 }
-TRANSPOSED = {"bags"}  # products that read weights stored transposed (weight.t() contiguous); the others, as stored
+TRANSPOSED = {"linear_t", "bags"}  # products that read weights stored transposed (weight.t() contiguous); the others, as stored
 ROW_OVERRIDE = "SMALLGPT_ROW_PRODUCT"
 MIN_GAIN = 1.2  # a later product must beat the chosen one by this much: near ties keep the earlier one, run after run
-MEASURED_BYTES = 128 << 20  # at most this much of the model's weights is streamed per timing
-_chosen = {}  # dtype -> (name, {name: GB/s}): the decision, once per process
+DROP_BELOW = 1 / 3  # a product under this fraction of the best one's speed in the first timed round is not timed again
+MEASURED_BYTES = 64 << 20  # at most this much of a shape's weights (at least one matrix) is streamed per timing
+TIMED_BYTES = 320 << 20  # rounds per product: enough to stream about this much (5 to 15; small shapes are noisier)
+_chosen = {}  # (dtype, out_features, in_features) -> (name, {name: GB/s}): the decision, once per process
 
 
 def laid_out(weight, product):
@@ -60,21 +66,42 @@ def laid_out(weight, product):
     return weight.t().contiguous().t() if product in TRANSPOSED else weight.contiguous()
 
 
+def shape_key(weight):
+    return weight.dtype, *weight.shape
+
+
 def use_row_product(model, product):
-    """Every RowLinear of the model computes one row with `product`, its weight laid out for it (in place: the
-    same Parameters, so a tied head stays tied; the embedding's lookups read the same values)."""
+    """Every RowLinear of the model computes one row with `product` (a name, or {shape_key: name} as
+    row_products gives), its weight laid out for it (in place: the same Parameters, so a tied head stays
+    tied; the embedding's lookups read the same values)."""
     for m in model.modules():
         if isinstance(m, RowLinear):
-            m.product = product
-            m.weight.data = laid_out(m.weight.data, product)
+            m.product = product if isinstance(product, str) else product[shape_key(m.weight)]
+            m.weight.data = laid_out(m.weight.data, m.product)
 
 
-def time_row_products(linears, rounds=5):
-    """{name: GB/s} of each row product over these (weight, bias) pairs, best of interleaved rounds."""
+RUN_ERRORS = (RuntimeError, AttributeError, NotImplementedError)  # e.g. oneDNN without bf16 or fp16, or no oneDNN
+
+
+def runs_here(name, linears):
+    """Whether row product `name` runs on these (weight, bias) pairs on this CPU and build."""
+    try:
+        with torch.no_grad():
+            for w, b in linears:
+                ROW_PRODUCTS[name](torch.zeros(1, w.size(1), dtype=w.dtype), laid_out(w, name), b)
+    except RUN_ERRORS:
+        return False
+    return True
+
+
+def time_row_products(linears, rounds=5, names=ROW_PRODUCTS):
+    """{name: GB/s} of each row product (of names) over these (weight, bias) pairs (all of one shape, or
+    not), best of interleaved rounds; 0.0 for one that cannot run here, and a product far behind the best
+    after the first timed round keeps that round's figure (its time is not worth spending)."""
     generator = torch.Generator().manual_seed(0)
     rows = {w.size(1): torch.randn(1, w.size(1), generator=generator).to(w.dtype) for w, _ in linears}
-    best = dict.fromkeys(ROW_PRODUCTS, float("inf"))
-    products = dict(ROW_PRODUCTS)
+    best = dict.fromkeys(names, float("inf"))
+    products = {name: ROW_PRODUCTS[name] for name in names}
     transposed = [(laid_out(w, "bags"), b) for w, b in linears] if TRANSPOSED & set(products) else []
     with torch.no_grad():
         for r in range(rounds + 1):  # round 0 warms up (and pages the weights in)
@@ -83,52 +110,84 @@ def time_row_products(linears, rounds=5):
                 try:
                     for w, b in transposed if name in TRANSPOSED else linears:
                         product(rows[w.size(1)], w, b)
-                except (RuntimeError, AttributeError, NotImplementedError):  # e.g. oneDNN without fp16, or no oneDNN
+                except RUN_ERRORS:
                     del products[name]
                     continue
                 if r:
                     best[name] = min(best[name], time.perf_counter() - start)
+            if r == 1:
+                fastest = min(best.values())
+                products = {name: p for name, p in products.items() if fastest >= DROP_BELOW * best[name]}
     size = sum(w.numel() * w.element_size() for w, _ in linears)
-    return {name: size / seconds / 1e9 for name, seconds in best.items()}  # 0.0: not available here
+    return {name: size / seconds / 1e9 for name, seconds in best.items()}  # 0.0: cannot run here
+
+
+SEVERAL_ROWS = 16  # a prefill's chunk, a server's batch: what F.linear computes over a RowLinear's weight
+TRANSPOSED_SLOWDOWN = 1.5  # F.linear over several rows may be this much slower on a transposed weight, no more
+
+
+def transposed_is_fine(weight, bias, rounds=2):
+    """Whether F.linear over several rows is not much slower on weight stored transposed than on it stored
+    row-major (timed on its first 1024 output rows): a TRANSPOSED product lays the weight out for one row,
+    and prefills and batches read the same weight through F.linear. Without fast bf16 (AVX2) torch's bf16
+    matmul over a transposed weight is 10-14x slower (docs/research_log.md), which no one-row gain repays."""
+    weight = weight[:1024]
+    bias = None if bias is None else bias[:1024]
+    x = torch.randn(SEVERAL_ROWS, weight.size(1)).to(weight.dtype)
+    times = {}
+    with torch.no_grad():
+        for layout in (weight.contiguous(), laid_out(weight, "bags")) * (rounds + 1):
+            start = time.perf_counter()
+            F.linear(x, layout, bias)
+            key = layout.is_contiguous()
+            times[key] = min(times.get(key, float("inf")), time.perf_counter() - start)
+    return times[False] <= TRANSPOSED_SLOWDOWN * times[True]
 
 
 def pick_row_product(speeds):
-    """The name to use, from time_row_products' figures: by ROW_PRODUCTS' order, a later one only at
-    MIN_GAIN times the speed of the one chosen so far."""
+    """The name to use, from time_row_products' figures (a product not timed counts as 0): by ROW_PRODUCTS'
+    order, a later one only at MIN_GAIN times the speed of the one chosen so far."""
     chosen = next(iter(ROW_PRODUCTS))
     for name in ROW_PRODUCTS:
-        if speeds[name] >= MIN_GAIN * speeds[chosen]:
+        if speeds.get(name, 0.0) >= MIN_GAIN * speeds.get(chosen, 0.0):
             chosen = name
     return chosen
 
 
-def row_product(linears):
-    """The row product for one-row Linears of this dtype on this CPU: measured once per process over the
-    first model's (weight, bias) pairs (under a second), as device.precision decides bf16.
-    SMALLGPT_ROW_PRODUCT=name chooses without measuring."""
-    dtype = linears[0][0].dtype
-    if dtype not in _chosen:
-        override = os.environ.get(ROW_OVERRIDE)
-        if override is not None and override not in ROW_PRODUCTS:
-            raise ConfigError(f"{ROW_OVERRIDE}={override!r}: use one of {', '.join(ROW_PRODUCTS)}, or unset it")
+def row_products(linears):
+    """{shape_key: name}: the row product for each shape of one-row Linears among these (weight, bias) pairs
+    on this CPU, measured once per process and shape over the model's matrices of that shape (in all under
+    a second or two for GPT-2 small), as device.precision decides bf16. SMALLGPT_ROW_PRODUCT=name chooses
+    without measuring."""
+    override = os.environ.get(ROW_OVERRIDE)
+    if override is not None and override not in ROW_PRODUCTS:
+        raise ConfigError(f"{ROW_OVERRIDE}={override!r}: use one of {', '.join(ROW_PRODUCTS)}, or unset it")
+    shapes = {}
+    for w, b in linears:
+        shapes.setdefault(shape_key(w), []).append((w, b))
+    for key, pairs in shapes.items():
+        if key in _chosen:
+            continue
         if override:
-            _chosen[dtype] = (override, {})
-        else:
-            kept, size = [], 0
-            for w, b in linears:
-                if size < MEASURED_BYTES:
-                    kept.append((w, b))
-                    size += w.numel() * w.element_size()
-            speeds = time_row_products(kept)
-            _chosen[dtype] = (pick_row_product(speeds), speeds)
-    return _chosen[dtype][0]
+            _chosen[key] = (override, {})
+            continue
+        kept, size = [], 0
+        for w, b in pairs:
+            if size < MEASURED_BYTES:
+                kept.append((w, b))
+                size += w.numel() * w.element_size()
+        transposed = transposed_is_fine(*pairs[0])
+        speeds = time_row_products(kept, rounds=max(5, min(15, TIMED_BYTES // size)),
+                                   names=[name for name in ROW_PRODUCTS if transposed or name not in TRANSPOSED])
+        _chosen[key] = (pick_row_product(speeds), speeds)
+    return {key: _chosen[key][0] for key in shapes}
 
 
 def row_product_choices():
-    """{dtype: 'name (GB/s of each)'} for the decisions this process made: bench.py's machine lines."""
-    return {str(dtype).replace("torch.", ""): name + (" (" + ", ".join(f"{n} {v:.1f}" for n, v in speeds.items()) + " GB/s)"
-                                                      if speeds else f" ({ROW_OVERRIDE})")
-            for dtype, (name, speeds) in _chosen.items()}
+    """{'dtype out x in': 'name (GB/s of each)'} for the decisions this process made: bench.py's machine lines."""
+    return {f"{str(dtype).replace('torch.', '')} {n}x{k}": name + (
+                " (" + ", ".join(f"{p} {v:.1f}" for p, v in speeds.items()) + " GB/s)" if speeds else f" ({ROW_OVERRIDE})")
+            for (dtype, n, k), (name, speeds) in _chosen.items()}
 
 
 class RowLinear(nn.Linear):
@@ -220,14 +279,14 @@ def precision_line(weights_dtype, device):
 def for_inference(model, weights_dtype):
     """The model in eval mode with its weights in weights_dtype (auto: inference_weights; float32, bfloat16,
     float16, or int8 = quantize_int8), in place. On CPU, one-token steps go through RowLinear with the row
-    product measured fastest here (row_product)."""
+    product measured fastest here for each weight's shape (row_products)."""
     weights_dtype = inference_weights(weights_dtype, next(model.parameters()).device.type)
     if weights_dtype == "int8":
         return quantize_int8(model)
     model.eval().to(dtype=getattr(torch, weights_dtype))
     if next(model.parameters()).device.type == "cpu":
         linears = {id(m.weight): (m.weight.detach(), m.bias) for m in model.modules() if type(m) is nn.Linear}
-        product = row_product(list(linears.values()))
-        replace_linears(model, lambda linear: row_linear(linear, product))
-        use_row_product(model, product)
+        products = row_products(list(linears.values()))
+        replace_linears(model, lambda linear: row_linear(linear, products[shape_key(linear.weight)]))
+        use_row_product(model, products)
     return model

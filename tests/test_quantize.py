@@ -36,35 +36,61 @@ def test_row_linear_computes_what_linear_does(bias, dtype, product, layout):
 
 
 @pytest.mark.parametrize("speeds, chosen", [
-    (dict(linear=45, addmv=44, mv=46, onednn=29, bags=50), "linear"),  # MKL at memory speed (Intel): kept
-    (dict(linear=10.7, addmv=11.1, mv=11.1, onednn=15.2, bags=0.0), "onednn"),  # MKL's generic path (AMD EPYC), no bags
+    (dict(linear=45, addmv=44, mv=46, onednn=29, linear_t=30, bags=50), "linear"),  # MKL at memory speed (Intel): kept
+    (dict(linear=10.7, addmv=11.1, mv=11.1, onednn=15.2, linear_t=0.0, bags=0.0), "onednn"),  # MKL's generic path (AMD EPYC)
     (dict(linear=17.2, addmv=16.9, mv=17.1, onednn=30.4, bags=47.0), "bags"),  # every thread reads (measured, AMD Zen 5)
-    (dict(linear=12.6, addmv=11.0, mv=11.8, onednn=13.0, bags=14.0), "linear"),  # near ties stay with the earlier one
+    (dict(linear=11.9, addmv=10.7, mv=11.5, onednn=13.5, linear_t=15.4, bags=14.6), "linear_t"),  # a tall matrix, AMD Zen 1
+    (dict(linear=12.6, addmv=11.0, mv=11.8, onednn=13.0, linear_t=14.0, bags=14.0), "linear"),  # near ties stay with the earlier one
     (dict(linear=4.0, addmv=2.5, mv=9.0, onednn=3.0, bags=10.0), "mv"),  # bf16 without fast bf16: mv, the bias after it
     (dict(linear=4.0, addmv=9.0, mv=9.5, onednn=3.0, bags=2.0), "addmv"),  # bf16 on AMX: the fused bias, not a near tie
+    (dict(linear=9.1, addmv=1.5, mv=8.8, onednn=0.0), "linear"),  # transposed layouts not timed (transposed_is_fine)
 ])  # fmt: skip
 def test_the_row_product_changes_only_for_a_clear_gain(speeds, chosen):
     assert quantize.pick_row_product(speeds) == chosen
 
 
-def test_row_product_is_measured_once_and_can_be_set(monkeypatch):
+def test_row_products_are_measured_once_per_shape_and_can_be_set(monkeypatch):
     monkeypatch.setattr(quantize, "_chosen", {})
     linears = [(torch.randn(64, 32, dtype=torch.float16), None)]
     monkeypatch.setenv(quantize.ROW_OVERRIDE, "mv")
-    assert quantize.row_product(linears) == "mv" and "mv (SMALLGPT_ROW_PRODUCT)" in quantize.row_product_choices()["float16"]
+    assert quantize.row_products(linears) == {(torch.float16, 64, 32): "mv"}
+    assert quantize.row_product_choices()["float16 64x32"] == "mv (SMALLGPT_ROW_PRODUCT)"
     monkeypatch.setenv(quantize.ROW_OVERRIDE, "onednn")
-    assert quantize.row_product(linears) == "mv"  # decided once per process and dtype
+    assert quantize.row_products(linears) == {(torch.float16, 64, 32): "mv"}  # decided once per process and shape
     monkeypatch.setattr(quantize, "_chosen", {})
     monkeypatch.setenv(quantize.ROW_OVERRIDE, "blas")
-    with pytest.raises(ConfigError, match="SMALLGPT_ROW_PRODUCT='blas': use one of linear, addmv, mv, onednn, bags, or unset it"):
-        quantize.row_product(linears)
+    with pytest.raises(ConfigError, match="SMALLGPT_ROW_PRODUCT='blas': use one of linear, addmv, mv, onednn, linear_t, bags, or unset it"):
+        quantize.row_products(linears)
     monkeypatch.delenv(quantize.ROW_OVERRIDE)
-    chosen = quantize.row_product(linears)
-    speeds = quantize._chosen[torch.float16][1]
-    assert set(speeds) == set(quantize.ROW_PRODUCTS) and speeds["linear"] > 0 and speeds[chosen] > 0
+    two_shapes = linears + [(torch.randn(32, 64, dtype=torch.float16), torch.randn(32, dtype=torch.float16))]
+    chosen = quantize.row_products(two_shapes)
+    assert set(chosen) == {(torch.float16, 64, 32), (torch.float16, 32, 64)}  # each shape timed on its own
+    for key, name in chosen.items():
+        speeds = quantize._chosen[key][1]
+        assert speeds["linear"] > 0 and speeds[name] > 0 and set(speeds) <= set(quantize.ROW_PRODUCTS)
     # a product this build cannot run for a dtype (oneDNN has no fp16 inner product on many CPUs) scores 0
     monkeypatch.setitem(quantize.ROW_PRODUCTS, "onednn", lambda *args: torch.ops.mkldnn.no_such_op(*args))
-    assert quantize.time_row_products(linears, rounds=1)["onednn"] == 0.0
+    assert quantize.time_row_products(linears, rounds=1)["onednn"] == 0.0 and not quantize.runs_here("onednn", linears)
+
+
+def test_transposed_products_are_not_timed_where_several_rows_read_a_transposed_weight_slowly(monkeypatch):
+    """As torch's bf16 matmul without fast bf16 (AVX2): 10-14x slower over the transposed weight. Simulated
+    here by an F.linear that takes 20 ms on a transposed weight, on every CPU."""
+    import time
+
+    real = F.linear
+
+    def linear(x, weight, bias=None):
+        if not weight.is_contiguous() and x.numel() != x.size(-1):
+            time.sleep(0.02)
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(quantize, "_chosen", {})
+    monkeypatch.setattr(F, "linear", linear)
+    weight = torch.randn(48, 32)
+    assert not quantize.transposed_is_fine(weight, None)
+    quantize.row_products([(weight, None)])
+    assert not quantize.TRANSPOSED & set(quantize._chosen[torch.float32, 48, 32][1])  # neither linear_t nor bags timed
 
 
 @pytest.mark.parametrize("arch", [dict(), dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2,
@@ -109,6 +135,30 @@ def test_a_transposed_product_relays_the_weights_in_place_and_decodes_the_same_t
         assert model.lm_head.weight is model.tok_emb.weight and torch.equal(model.tok_emb.weight, embedding)
         torch.testing.assert_close(model(prompt, kv_cache=model.new_cache())[0][0, -1], logits, atol=1e-5, rtol=1e-5)
         assert torch.equal(generate.generate(model, prompt, 30, GREEDY), bags)
+
+
+def test_each_shape_gets_its_own_product_and_layout_and_the_tokens_stay_the_same(monkeypatch):
+    def timed(linears, rounds=5, names=quantize.ROW_PRODUCTS):  # tall matrices: linear_t; the others: mv
+        n, k = linears[0][0].shape
+        return {name: 1.0 for name in names} | ({"linear_t": 2.0} if n > k else {"mv": 2.0})
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=100))
+    prompt = torch.randint(100, (1, 5))
+    plain = for_inference(GPT(model.config), "float32")
+    plain.load_state_dict(model.state_dict())
+    quantize.use_row_product(plain, "linear")
+    monkeypatch.setattr(quantize, "_chosen", {})
+    monkeypatch.setattr(quantize, "time_row_products", timed)
+    monkeypatch.setattr(quantize, "transposed_is_fine", lambda weight, bias: True)
+    model = for_inference(model, "float32")
+    for m in model.modules():
+        if type(m) is quantize.RowLinear:
+            tall = m.out_features > m.in_features  # qkv, mlp_fc and the head (100 x 64, tied): transposed
+            assert m.product == ("linear_t" if tall else "mv") and m.weight.t().is_contiguous() == tall
+    assert model.lm_head.weight is model.tok_emb.weight
+    with torch.no_grad():
+        assert torch.equal(generate.generate(model, prompt, 30, GREEDY), generate.generate(plain, prompt, 30, GREEDY))
 
 
 # ---------------------------------------------------------------------------------------------------
