@@ -58,6 +58,7 @@ class ServeConfig(ContextKeys):
     max_batch: int = 8  # requests decoded together; more wait in the queue
     max_queue: int = 64  # requests waiting beyond the batch; past it, 503 with Retry-After
     prefill_chunk: int = 64  # prompt tokens prefilled per engine turn, between the running rows' decode steps
+    max_tokens_limit: int = 16384  # the most tokens one choice may ask for (max_tokens); above it, 400
     api_key: str = ""  # if set, requests must send Authorization: Bearer <api_key>
     model_name: str = ""  # the id /v1/models reports; "" = the out_dir's (or init_from's) name
 
@@ -411,14 +412,15 @@ def check_context(prompts, config):
                          "prompt", code="context_length_exceeded")
 
 
-def parse_request(body, tokenizer, config):
+def parse_request(body, tokenizer, config, max_tokens_limit):
     """(prompts, settings) of a completions request, or BadRequest naming the field. Unknown fields are
     ignored, as OpenAI does."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     prompts = prompts_of(body, tokenizer, config.vocab_size)
     s = dict(
-        max_tokens=field(body, "max_tokens", (int,), 16, lambda v: v >= 0, ">= 0"),
+        max_tokens=field(body, "max_tokens", (int,), 16, lambda v: 0 <= v <= max_tokens_limit,
+                         f"in [0, {max_tokens_limit}] (the server's max_tokens_limit)"),
         **sampling_fields(body),
         echo=field(body, "echo", (bool,), False),
         logprobs=field(body, "logprobs", (int,), None, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
@@ -432,10 +434,11 @@ def parse_request(body, tokenizer, config):
 CHAT_REPLY_TOKENS = 256  # a chat reply's max_tokens when the request sets none and the model has no context limit
 
 
-def parse_chat_request(body, tokenizer, config):
+def parse_chat_request(body, tokenizer, config, max_tokens_limit):
     """(prompts, settings) of a chat completions request: the messages rendered with the model's chat
     template and the assistant's turn opened (dataset.ChatTokenizer.render). max_tokens (or OpenAI's newer
-    max_completion_tokens) defaults to what the context has left; logprobs is a bool, top_logprobs 0-20."""
+    max_completion_tokens) defaults to what the context has left (at most max_tokens_limit); logprobs is a
+    bool, top_logprobs 0-20."""
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     try:
@@ -448,9 +451,10 @@ def parse_chat_request(body, tokenizer, config):
     check_context([prompt], config)
     limit = config.context_limit
     default = limit - len(prompt) + 1 if limit is not None else CHAT_REPLY_TOKENS  # (the last token is the reply's end)
-    tokens = field(body, "max_completion_tokens", (int,), None, lambda v: v >= 1, ">= 1")
+    allowed, what = lambda v: 1 <= v <= max_tokens_limit, f"in [1, {max_tokens_limit}] (the server's max_tokens_limit)"
+    tokens = field(body, "max_completion_tokens", (int,), None, allowed, what)
     s = dict(
-        max_tokens=field(body, "max_tokens", (int,), tokens or default, lambda v: v >= 1, ">= 1"),
+        max_tokens=field(body, "max_tokens", (int,), tokens or min(default, max_tokens_limit), allowed, what),
         **sampling_fields(body),
         echo=False,
         logprobs=None,
@@ -466,7 +470,7 @@ def parse_chat_request(body, tokenizer, config):
 
 def make_app(model, tokenizer, c, name, engine_thread=True):
     from fastapi import FastAPI, Request
-    from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
     app = FastAPI(title="smallgpt", docs_url=None, redoc_url=None)
     engine = app.state.engine = Engine(model, c.max_batch, c.max_queue, c.prefill_chunk, thread=engine_thread)
@@ -511,7 +515,7 @@ def make_app(model, tokenizer, c, name, engine_thread=True):
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 raise BadRequest(f"the body is not valid JSON ({e})") from None
-            prompts, s = parse(body, tokenizer, model.config)
+            prompts, s = parse(body, tokenizer, model.config, c.max_tokens_limit)
             sampling = checked(Sampling, float(s["temperature"]), s["top_k"], float(s["top_p"]))
         except (BadRequest, ConfigError) as e:
             return error(e if isinstance(e, BadRequest) else BadRequest(str(e)))
@@ -531,12 +535,18 @@ def make_app(model, tokenizer, c, name, engine_thread=True):
         reply = make_reply(f"{prefix}-{next(ids)}-{int(time.time())}", name, prompts, s, tokenizer)
         if s["stream"]:
             return StreamingResponse(reply.stream(events, jobs), media_type="text/event-stream")
+        collecting, gone = asyncio.ensure_future(reply.collect(events, len(jobs))), asyncio.ensure_future(disconnect(request))
         try:
-            await reply.collect(events, len(jobs))
-        except asyncio.CancelledError:  # the client left before the answer
-            for job in jobs:
-                job.cancelled = True
-            raise
+            await asyncio.wait([collecting, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:  # (or the server cancelled the handler)
+            gone.cancel()
+            left = not collecting.done()
+            if left:  # the client left before the answer: its rows are free at the next step
+                collecting.cancel()
+                for job in jobs:
+                    job.cancelled = True
+        if left:
+            return Response(status_code=499)  # nginx's "client closed request": no one reads it
         if reply.failure:
             return JSONResponse({"error": {"message": reply.failure, "type": "server_error", "param": None,
                                            "code": None}}, status_code=500)
@@ -551,6 +561,14 @@ def make_app(model, tokenizer, c, name, engine_thread=True):
         return await answer(request, parse_chat_request, ChatReply, "chatcmpl")
 
     return app
+
+
+async def disconnect(request):
+    """Returns once the client has closed the connection. A streamed reply learns it from Starlette, which
+    listens while it sends; a whole one sends nothing until the end, so it listens here (uvicorn's receive()
+    after the body waits for the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 class Reply:
@@ -761,7 +779,7 @@ $("clear").onclick = () => { history = []; transcript = ""; $("out").textContent
 
 
 def serve(c):
-    for key, low in (("max_batch", 1), ("max_queue", 0), ("port", 0), ("prefill_chunk", 1)):
+    for key, low in (("max_batch", 1), ("max_queue", 0), ("port", 0), ("prefill_chunk", 1), ("max_tokens_limit", 1)):
         if getattr(c, key) < low:
             raise ConfigError(f"{key}={getattr(c, key)} must be >= {low}")
     try:

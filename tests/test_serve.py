@@ -152,6 +152,8 @@ def test_errors_in_openais_shape(server, client):
     assert status == 400 and body["error"]["param"] == "prompt" and "outside the vocabulary" in body["error"]["message"]
     status, body = server.post({"prompt": "zx"})
     assert status == 400 and "characters not in the vocabulary" in body["error"]["message"]
+    status, body = server.post({"prompt": "The", "max_tokens": 10**9})
+    assert status == 400 and "'max_tokens' must be in [0, 16384] (the server's max_tokens_limit)" in body["error"]["message"]
     for bad in [{"prompt": "The", "max_tokens": -1}, {"prompt": "The", "max_tokens": "ten"}, {"prompt": ""},
                 {"prompt": 5}, {"prompt": "The", "n": 0}, {"prompt": "The", "stop": [""]}, {"prompt": "The", "logprobs": 99}]:
         status, body = server.post(bad)
@@ -199,7 +201,8 @@ def test_greedy_alone_equals_greedy_in_a_busy_batch(server):
     assert [together[i] for i in range(0, 8, 2)] == [alone[i] for i in range(0, 8, 2)]
 
 
-def test_a_client_that_leaves_frees_its_row(served_run):
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
+def test_a_client_that_leaves_frees_its_row(served_run, stream):
     import http.client
 
     from dataclasses import replace
@@ -207,18 +210,23 @@ def test_a_client_that_leaves_frees_its_row(served_run):
     from model import GPT
 
     # the served model's shape with windowed layers, which run any length: a request of a million tokens
-    # would hold its row for hours
+    # would hold its row for hours. A whole reply sends nothing before its end, so only the server's own
+    # listening tells it the client has gone (without it this row ran on, and the server with it).
     torch.manual_seed(0)
     endless = GPT(replace(load_any(served_run)[0].config, pos_emb="rope", attn_pattern="S", attn_window=8))
-    s = Server(served_run, model=endless, max_batch=2)
+    s = Server(served_run, model=endless, max_batch=2, max_tokens_limit=10**6)
     try:
         connection = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
-        connection.request("POST", "/v1/completions", json.dumps({"prompt": "The", "max_tokens": 10**6, "stream": True}),
+        connection.request("POST", "/v1/completions", json.dumps({"prompt": "The", "max_tokens": 10**6, "stream": stream}),
                            {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        assert response.status == 200 and response.read(300)  # the first chunks arrived
+        if stream:
+            response = connection.getresponse()
+            assert response.status == 200 and response.read(300)  # the first chunks arrived
+        deadline = time.time() + 10
+        while not json.loads(s.get("/health"))["running"] and time.time() < deadline:
+            time.sleep(0.05)
         assert json.loads(s.get("/health"))["running"] == 1
-        connection.close()  # and the client is gone mid-stream
+        connection.close()  # and the client is gone mid-stream, or while it waits for the whole reply
         deadline = time.time() + 10
         while json.loads(s.get("/health"))["running"] and time.time() < deadline:
             time.sleep(0.05)
