@@ -57,7 +57,7 @@ class ServeConfig(ContextKeys):
     weights_dtype: str = "auto"  # auto (bf16 on a GPU with bf16, else float32) | float32 | bfloat16 | float16 | int8 (CPU; quantised, see docs/guide.md)
     max_batch: int = 8  # requests decoded together; more wait in the queue
     max_queue: int = 64  # requests waiting beyond the batch; past it, 503 with Retry-After
-    prefill_chunk: int = 64  # prompt tokens prefilled per engine turn, between the running rows' decode steps
+    prefill_chunk: int = 64  # prompt tokens prefilled per engine turn (riding the running rows' decode pass: at most as many as its rows, 8 at least)
     max_tokens_limit: int = 16384  # the most tokens one choice may ask for (max_tokens); above it, 400
     api_key: str = ""  # if set, requests must send Authorization: Bearer <api_key>
     model_name: str = ""  # the id /v1/models reports; "" = the out_dir's (or init_from's) name
@@ -163,12 +163,15 @@ def deliver(puts):
         put(event)
 
 
+RIDE_MIN = 8  # prompt tokens a chunk riding a decode pass may have, however few rows the pass has
+
+
 class Engine:
     """The decode loop (run(), in a daemon thread): each turn admits waiting jobs while rows are free,
-    prefills one chunk of one joining prompt (prefill_chunk tokens: a long prompt is spread over several
-    turns, so the running streams keep getting tokens), then runs one decode step for every running row
-    (generate.row_batch: one batch, each row at its own length) and samples them in one call per setting.
-    submit() is called from the HTTP side."""
+    prefills one chunk of one joining prompt (a long prompt is spread over several turns, so the running
+    streams keep getting tokens; the chunk rides in their decode pass, chunk()), then runs one decode step
+    for every running row (generate.row_batch: one batch, each row at its own length) and samples them in
+    one call per setting. submit() is called from the HTTP side."""
 
     def __init__(self, model, max_batch, max_queue, prefill_chunk=64, thread=True):
         self.model, self.max_batch, self.max_queue, self.prefill_chunk = model, max_batch, max_queue, prefill_chunk
@@ -249,12 +252,17 @@ class Engine:
         """The next prefill_chunk tokens of the prompt into the job's cache, in a pass of their own."""
         self.prefilled(job, self.model.forward_cached(*self.chunk(job)))
 
-    def chunk(self, job):
-        """(the next prefill_chunk tokens of job's prompt (1, T), its cache, how many logits it needs)."""
+    def chunk(self, job, riding=0):
+        """(the next tokens of job's prompt (1, T), its cache, how many logits it needs): prefill_chunk
+        tokens in a pass of their own; riding a decode pass of `riding` rows, at most max(RIDE_MIN, riding).
+        On a CPU a pass costs about linearly in its rows, so a chunk no longer than the rows it rides with
+        at most about doubles their step: a long prompt joining a few streams delays each of their tokens
+        by at most about one step of their own, in more, smaller chunks."""
         if job.cache is None:
             job.cache, job.prompt_logits = self.model.new_cache(), []
         start = job.cache.length
-        end = min(len(job.prompt), start + self.prefill_chunk)
+        size = self.prefill_chunk if not riding else min(self.prefill_chunk, max(RIDE_MIN, riding))
+        end = min(len(job.prompt), start + size)
         want_prompt = job.echo and job.logprobs is not None
         return torch.tensor([job.prompt[start:end]], device=self.device), job.cache, end - start if want_prompt else 1
 
@@ -302,7 +310,7 @@ class Engine:
                 if joining is None:
                     logits.append(self.batch.step(tokens, positions))
                 else:
-                    decoded, chunk_logits = self.batch.step_and_prefill(tokens, positions, *self.chunk(joining))
+                    decoded, chunk_logits = self.batch.step_and_prefill(tokens, positions, *self.chunk(joining, len(self.rows)))
                     logits.append(decoded)
             logits.extend(self.slide(job)[None] for job in self.sliding)
             logits = torch.cat(logits)
