@@ -154,33 +154,46 @@ def pick_row_product(speeds):
     return chosen
 
 
+def by_shape(linears, chosen, key, override_name, names, decide):
+    """{shape_key: name} for these (weight, bias) pairs: each shape decided once per process, kept in
+    `chosen` under key(shape_key), by decide(pairs, measured) -> (name, figures), where measured are the
+    shape's first matrices up to MEASURED_BYTES (at least one); the environment variable override_name,
+    when set to one of names, decides every shape without measuring."""
+    override = os.environ.get(override_name)
+    if override is not None and override not in names:
+        raise ConfigError(f"{override_name}={override!r}: use one of {', '.join(names)}, or unset it")
+    shapes = {}
+    for w, b in linears:
+        shapes.setdefault(shape_key(w), []).append((w, b))
+    for shape, pairs in shapes.items():
+        if key(shape) in chosen:
+            continue
+        if override:
+            chosen[key(shape)] = (override, {})
+            continue
+        measured, size = [], 0
+        for w, b in pairs:
+            if size < MEASURED_BYTES:
+                measured.append((w, b))
+                size += w.numel() * w.element_size()
+        chosen[key(shape)] = decide(pairs, measured)
+    return {shape: chosen[key(shape)][0] for shape in shapes}
+
+
 def row_products(linears):
     """{shape_key: name}: the row product for each shape of one-row Linears among these (weight, bias) pairs
     on this CPU, measured once per process and shape over the model's matrices of that shape (in all under
     a second or two for GPT-2 small), as device.precision decides bf16. SMALLGPT_ROW_PRODUCT=name chooses
     without measuring."""
-    override = os.environ.get(ROW_OVERRIDE)
-    if override is not None and override not in ROW_PRODUCTS:
-        raise ConfigError(f"{ROW_OVERRIDE}={override!r}: use one of {', '.join(ROW_PRODUCTS)}, or unset it")
-    shapes = {}
-    for w, b in linears:
-        shapes.setdefault(shape_key(w), []).append((w, b))
-    for key, pairs in shapes.items():
-        if key in _chosen:
-            continue
-        if override:
-            _chosen[key] = (override, {})
-            continue
-        kept, size = [], 0
-        for w, b in pairs:
-            if size < MEASURED_BYTES:
-                kept.append((w, b))
-                size += w.numel() * w.element_size()
+
+    def decide(pairs, measured):
         transposed = transposed_is_fine(*pairs[0])
-        speeds = time_row_products(kept, rounds=max(5, min(15, TIMED_BYTES // size)),
+        size = sum(w.numel() * w.element_size() for w, _ in measured)
+        speeds = time_row_products(measured, rounds=max(5, min(15, TIMED_BYTES // size)),
                                    names=[name for name in ROW_PRODUCTS if transposed or name not in TRANSPOSED])
-        _chosen[key] = (pick_row_product(speeds), speeds)
-    return {key: _chosen[key][0] for key in shapes}
+        return pick_row_product(speeds), speeds
+
+    return by_shape(linears, _chosen, lambda shape: shape, ROW_OVERRIDE, ROW_PRODUCTS, decide)
 
 
 def row_product_choices():
@@ -190,15 +203,79 @@ def row_product_choices():
             for (dtype, n, k), (name, speeds) in _chosen.items()}
 
 
+# A server's batch: several rows at once. F.linear (MKL's gemm on most builds) packs the weight for its
+# kernel on every call, which at 32 rows costs as much as the product on some CPUs; oneDNN over a copy of
+# the weight packed once at load (_reorder_linear_weight, for that many rows) does not. Chosen per shape by
+# measurement like the one-row products (1.25x the server's tokens/s on an AMD EPYC Zen 1), for serve.py
+# only: the copy doubles the weights' memory, which one stream's prefill does not repay.
+BATCH_PRODUCTS = ("linear", "onednn_packed")
+BATCH_OVERRIDE = "SMALLGPT_BATCH_PRODUCT"
+BATCH_MIN_GAIN = 1.05  # a packed copy is kept at this much of F.linear's speed: a near tie costs memory, not speed
+_chosen_batch = {}  # (dtype, out_features, in_features, rows) -> (name, {name: GFLOP/s})
+
+
+def prepack(weight, rows):
+    """weight (any layout) packed for oneDNN's inner product over `rows` rows: a copy, not a view."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), rows)
+
+
+def time_batch_products(linears, rows, rounds=5):
+    """{name: GFLOP/s} of F.linear and of oneDNN over prepacked weights for `rows` rows over these (weight,
+    bias) pairs, best of interleaved rounds; 0.0 where oneDNN cannot (no bf16 inner product on AVX2)."""
+    x = {w.size(1): torch.randn(rows, w.size(1)).to(w.dtype) for w, _ in linears}
+    try:
+        packed = [(prepack(w, rows), b) for w, b in linears]
+        onednn_linear(x[linears[0][0].size(1)], *packed[0])
+    except RUN_ERRORS:
+        packed = None
+    runs = {"linear": lambda: [F.linear(x[w.size(1)], w, b) for w, b in linears]}
+    if packed is not None:
+        runs["onednn_packed"] = lambda: [onednn_linear(x[w.size(1)], p, b) for (w, _), (p, b) in zip(linears, packed)]
+    best = dict.fromkeys(BATCH_PRODUCTS, float("inf"))
+    with torch.no_grad():
+        for r in range(rounds + 1):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                if r:
+                    best[name] = min(best[name], time.perf_counter() - start)
+    flops = sum(2 * rows * w.numel() for w, _ in linears)
+    return {name: flops / seconds / 1e9 for name, seconds in best.items()}
+
+
+def batch_products(linears, rows):
+    """{shape_key: name}: how RowLinears of these (weight, bias) pairs compute `rows` rows (BATCH_PRODUCTS),
+    measured once per process, shape and row count over up to MEASURED_BYTES of the shape's matrices; a
+    packed copy only at BATCH_MIN_GAIN times F.linear's speed. SMALLGPT_BATCH_PRODUCT=name chooses without
+    measuring."""
+
+    def decide(pairs, measured):
+        speeds = time_batch_products(measured, rows)
+        return "onednn_packed" if speeds["onednn_packed"] >= BATCH_MIN_GAIN * speeds["linear"] else "linear", speeds
+
+    return by_shape(linears, _chosen_batch, lambda shape: (*shape, rows), BATCH_OVERRIDE, BATCH_PRODUCTS, decide)
+
+
+def batch_product_choices():
+    """{'dtype out x in, N rows': 'name (GFLOP/s of each)'}: serve.py's startup lines."""
+    return {f"{str(dtype).replace('torch.', '')} {n}x{k}, {rows} rows": name + (
+                " (" + ", ".join(f"{p} {v:.1f}" for p, v in speeds.items()) + " GFLOP/s)" if speeds else f" ({BATCH_OVERRIDE})")
+            for (dtype, n, k, rows), (name, speeds) in _chosen_batch.items()}
+
+
 class RowLinear(nn.Linear):
     """A Linear that computes a single row (one token being decoded) with a chosen product (ROW_PRODUCTS),
     since the fastest one-row kernel differs between CPUs by up to 4x; more rows (a prefill, a batch) take
-    F.linear."""
+    F.linear, or oneDNN over `packed`, a copy of the weight prepacked by for_inference(batch_rows=...)
+    (stale if the weight changes after)."""
 
     product = "linear"
+    packed = None
 
     def forward(self, x):
         if x.numel() != x.size(-1):
+            if self.packed is not None:
+                return onednn_linear(x.reshape(-1, x.size(-1)), self.packed, self.bias).view(*x.shape[:-1], -1)
             return F.linear(x, self.weight, self.bias)
         y = ROW_PRODUCTS[self.product](x.reshape(1, -1), self.weight, self.bias)
         return y.view(*x.shape[:-1], -1)
@@ -276,17 +353,23 @@ def precision_line(weights_dtype, device):
     return f"precision: {inference_weights(weights_dtype, device_type)} weights | {precision(device_type).why}"
 
 
-def for_inference(model, weights_dtype):
+def for_inference(model, weights_dtype, batch_rows=0):
     """The model in eval mode with its weights in weights_dtype (auto: inference_weights; float32, bfloat16,
     float16, or int8 = quantize_int8), in place. On CPU, one-token steps go through RowLinear with the row
-    product measured fastest here for each weight's shape (row_products)."""
+    product measured fastest here for each weight's shape (row_products), and with batch_rows (a server's
+    batch) each shape whose F.linear over that many rows is clearly slower than oneDNN's over a packed copy
+    keeps such a copy (batch_products)."""
     weights_dtype = inference_weights(weights_dtype, next(model.parameters()).device.type)
     if weights_dtype == "int8":
         return quantize_int8(model)
     model.eval().to(dtype=getattr(torch, weights_dtype))
     if next(model.parameters()).device.type == "cpu":
-        linears = {id(m.weight): (m.weight.detach(), m.bias) for m in model.modules() if type(m) is nn.Linear}
-        products = row_products(list(linears.values()))
+        linears = list({id(m.weight): (m.weight.detach(), m.bias) for m in model.modules() if type(m) is nn.Linear}.values())
+        products = row_products(linears)
+        batch = batch_products(linears, batch_rows) if batch_rows > 1 else {}
         replace_linears(model, lambda linear: row_linear(linear, products[shape_key(linear.weight)]))
         use_row_product(model, products)
+        for m in model.modules():
+            if isinstance(m, RowLinear) and batch.get(shape_key(m.weight)) == "onednn_packed":
+                m.packed = prepack(m.weight.detach(), batch_rows)
     return model

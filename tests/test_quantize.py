@@ -161,6 +161,36 @@ def test_each_shape_gets_its_own_product_and_layout_and_the_tokens_stay_the_same
         assert torch.equal(generate.generate(model, prompt, 30, GREEDY), generate.generate(plain, prompt, 30, GREEDY))
 
 
+def test_batches_through_a_packed_copy_compute_what_f_linear_does_and_decode_the_same_tokens(monkeypatch):
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    if quantize.time_batch_products([(weight, bias)], rows=4, rounds=1)["onednn_packed"] == 0.0:
+        pytest.skip("this build has no oneDNN inner product")
+    monkeypatch.setattr(quantize, "_chosen_batch", {})
+    monkeypatch.setenv(quantize.BATCH_OVERRIDE, "packed")
+    with pytest.raises(ConfigError, match="SMALLGPT_BATCH_PRODUCT='packed': use one of linear, onednn_packed, or unset it"):
+        quantize.batch_products([(weight, bias)], 4)
+    monkeypatch.delenv(quantize.BATCH_OVERRIDE)
+    quantize.batch_products([(weight, bias)], 4)
+    assert set(quantize._chosen_batch[torch.float32, 48, 32, 4][1]) == set(quantize.BATCH_PRODUCTS)  # both timed
+    monkeypatch.setenv(quantize.BATCH_OVERRIDE, "onednn_packed")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=100))
+    plain = for_inference(GPT(model.config), "float32")
+    plain.load_state_dict(model.state_dict())
+    packed = for_inference(model, "float32", batch_rows=4)
+    rows = [m for m in packed.modules() if type(m) is quantize.RowLinear]
+    assert all(m.packed is not None for m in rows) and all(m.packed is None for m in plain.modules() if type(m) is quantize.RowLinear)
+    x = torch.randn(3, 5, 64)
+    for m in rows[:2]:  # several rows through the packed copy; one row through the row product
+        torch.testing.assert_close(m(x), F.linear(x, m.weight, m.bias), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(m(x[0, 0]), F.linear(x[0, 0], m.weight, m.bias), atol=1e-5, rtol=1e-5)
+    prompt = torch.randint(100, (3, 5))  # a batch of 3: the prefill and every step through the packed copies
+    with torch.no_grad():
+        assert torch.equal(generate.generate(packed, prompt, 20, GREEDY), generate.generate(plain, prompt, 20, GREEDY))
+        rows[0].packed = quantize.prepack(torch.zeros_like(rows[0].weight), 4)  # several rows read the copy, not the weight
+        assert torch.equal(rows[0](x), rows[0].bias.expand(3, 5, -1)) and not torch.equal(rows[0](x[0, 0]), rows[0].bias)
+
+
 # ---------------------------------------------------------------------------------------------------
 # int8
 
