@@ -267,12 +267,15 @@ class RowLinear(nn.Linear):
     """A Linear that computes a single row (one token being decoded) with a chosen product (ROW_PRODUCTS),
     since the fastest one-row kernel differs between CPUs by up to 4x; more rows (a prefill, a batch) take
     F.linear, or oneDNN over `packed`, a copy of the weight prepacked by for_inference(batch_rows=...)
-    (stale if the weight changes after)."""
+    (stale if the weight changes after). Under torch.compile, F.linear always: the eager kernels are chosen
+    for eager mode."""
 
     product = "linear"
     packed = None
 
     def forward(self, x):
+        if torch.compiler.is_compiling():  # a compiled graph picks its own kernels (inductor cannot lower oneDNN's op)
+            return F.linear(x, self.weight, self.bias)
         if x.numel() != x.size(-1):
             if self.packed is not None:
                 return onednn_linear(x.reshape(-1, x.size(-1)), self.packed, self.bias).view(*x.shape[:-1], -1)

@@ -191,6 +191,31 @@ def test_batches_through_a_packed_copy_compute_what_f_linear_does_and_decode_the
         assert torch.equal(rows[0](x), rows[0].bias.expand(3, 5, -1)) and not torch.equal(rows[0](x[0, 0]), rows[0].bias)
 
 
+def test_a_compiled_graph_computes_row_linear_with_f_linear():
+    """generate.StaticDecode compiles the decode step with RowLinears inside; inductor cannot lower oneDNN's
+    op (sample.py --compile=True failed on a CPU whose row product was oneDNN). Traced here with a
+    backend that records the graph's ops (no C++ to build)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(32, 48)
+    row = quantize.row_linear(linear, "onednn")
+    x = torch.randn(1, 32)
+    if not quantize.runs_here("onednn", [(linear.weight.detach(), linear.bias)]):
+        pytest.skip("this build has no oneDNN inner product")
+    row.packed = quantize.prepack(linear.weight.detach(), 4)
+    ops = []
+
+    def recording(gm, example_inputs):
+        ops.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(row, backend=recording, fullgraph=True)
+    with torch.no_grad():
+        for rows in (x, torch.randn(4, 32)):  # one row (the row product's path) and several (the packed copy's)
+            torch.testing.assert_close(compiled(rows), F.linear(rows, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
+    assert ops and not any("mkldnn" in op for op in ops) and any("linear" in op for op in ops), ops
+
+
 # ---------------------------------------------------------------------------------------------------
 # int8
 

@@ -8,6 +8,11 @@ arriving while 16 streams run. Starts the servers itself.
 Prints the figures docs/benchmarks.md quotes and writes them with --json. Each client loops: a streamed
 request of max_tokens tokens (greedy, from one of a few prompts), timing the first token and every later
 one, until the time is up; a request that fails, or returns fewer tokens than asked, counts as failed.
+
+  python tools/serve_load.py --out_dir=RUN --compare "packed:" "linear:SMALLGPT_BATCH_PRODUCT=linear" --rounds=3
+
+compares servers instead (each NAME:KEY=VALUE,...: environment variables, or serve.py keys as --key=value):
+the batched clients only, against each in turn, interleaved over --rounds (A, B, A, B, ...), medians.
 """
 
 import argparse
@@ -15,6 +20,7 @@ import http.client
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -31,11 +37,12 @@ def free_port():
 
 
 class ServeProcess:
-    def __init__(self, out_dir, **keys):
+    def __init__(self, out_dir, env=None, **keys):
         self.port = free_port()
         args = [sys.executable, "serve.py", f"--out_dir={out_dir}", f"--port={self.port}",
                 *(f"--{k}={v}" for k, v in keys.items())]
-        self.process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                        env={**os.environ, **(env or {})})
         deadline = time.time() + 120
         while time.time() < deadline:
             try:
@@ -239,6 +246,44 @@ def malformed(server):
     return out
 
 
+def variant(spec):
+    """'NAME:KEY=VALUE,...' -> (name, environment variables, serve.py keys (written --key=value))."""
+    name, _, rest = spec.partition(":")
+    env, keys = {}, {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--compare {spec!r}: write NAME:KEY=VALUE,... (an empty list after the colon is allowed)")
+        if key.startswith("--"):
+            keys[key[2:]] = value
+        else:
+            env[key] = value
+    return name, env, keys
+
+
+def compare(a):
+    """The batched phase against each variant in turn, interleaved over a.rounds: medians per variant."""
+    variants = [variant(spec) for spec in a.compare]
+    runs = {name: [] for name, _, _ in variants}
+    for r in range(a.rounds):
+        for name, env, keys in variants:
+            server = ServeProcess(a.out_dir, env, **{"max_batch": a.max_batch, "max_queue": a.clients, **keys})
+            try:
+                stream_one(server.port, PROMPTS[0], a.max_tokens)  # warm up
+                runs[name].append(clients(server.port, a.clients, a.seconds, a.max_tokens))
+            finally:
+                server.stop()
+            out = runs[name][-1]
+            print(f"round {r} {name}: {out['tokens_per_sec']:.0f} tokens/s, per-token p50 {out['token_ms_p50']:.1f} ms, "
+                  f"p95 {out['token_ms_p95']:.1f} ms, failed {out['failed']}", flush=True)
+    figures = {name: {key: statistics.median(out[key] for out in outs) for key in
+                      ("tokens_per_sec", "token_ms_p50", "token_ms_p95", "ttft_ms_p50", "failed")}
+               for name, outs in runs.items()}
+    for name, f in figures.items():
+        print(name, json.dumps(f), flush=True)
+    return figures
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
     parser.add_argument("--out_dir", required=True)
@@ -247,7 +292,15 @@ def main():
     parser.add_argument("--max_tokens", type=int, default=64)
     parser.add_argument("--max_batch", type=int, default=32)
     parser.add_argument("--json", default="")
+    parser.add_argument("--compare", nargs="+", default=[], metavar="NAME:KEY=VALUE,...")
+    parser.add_argument("--rounds", type=int, default=3, help="with --compare: interleaved rounds")
     a = parser.parse_args()
+    if a.compare:
+        figures = compare(a)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(figures, f, indent=2)
+        return
     figures = {}
     for name, batch in (("batched", a.max_batch), ("one_at_a_time", 1)):
         server = ServeProcess(a.out_dir, max_batch=batch, max_queue=a.clients)
