@@ -124,24 +124,31 @@ def time_row_products(linears, rounds=5, names=ROW_PRODUCTS):
 
 SEVERAL_ROWS = 16  # a prefill's chunk, a server's batch: what F.linear computes over a RowLinear's weight
 TRANSPOSED_SLOWDOWN = 1.5  # F.linear over several rows may be this much slower on a transposed weight, no more
+TIMED_MACS = 1 << 21  # each of transposed_is_fine's timings repeats F.linear until it has done this many multiply-adds
 
 
 def transposed_is_fine(weight, bias, rounds=2):
     """Whether F.linear over several rows is not much slower on weight stored transposed than on it stored
-    row-major (timed on its first 1024 output rows): a TRANSPOSED product lays the weight out for one row,
-    and prefills and batches read the same weight through F.linear. Without fast bf16 (AVX2) torch's bf16
-    matmul over a transposed weight is 10-14x slower (docs/research_log.md), which no one-row gain repays."""
+    row-major (timed on its first 1024 output rows, each timing at least TIMED_MACS): a TRANSPOSED
+    product lays the weight out for one row, and prefills and batches read the same weight through F.linear.
+    Without fast bf16 (AVX2) torch's bf16 matmul over a transposed weight is 7-14x slower
+    (docs/research_log.md), which no one-row gain repays."""
+    if min(weight.shape) == 1:  # a single row or column: both layouts are the same memory
+        return True
     weight = weight[:1024]
     bias = None if bias is None else bias[:1024]
-    x = torch.randn(SEVERAL_ROWS, weight.size(1)).to(weight.dtype)
-    times = {}
+    x = torch.randn(SEVERAL_ROWS, weight.size(1), generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    calls = max(1, TIMED_MACS // (SEVERAL_ROWS * weight.numel()))
+    layouts = [weight.contiguous(), laid_out(weight, "bags")]
+    best = [float("inf")] * 2
     with torch.no_grad():
-        for layout in (weight.contiguous(), laid_out(weight, "bags")) * (rounds + 1):
-            start = time.perf_counter()
-            F.linear(x, layout, bias)
-            key = layout.is_contiguous()
-            times[key] = min(times.get(key, float("inf")), time.perf_counter() - start)
-    return times[False] <= TRANSPOSED_SLOWDOWN * times[True]
+        for _ in range(rounds + 1):
+            for i, layout in enumerate(layouts):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    F.linear(x, layout, bias)
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best[1] <= TRANSPOSED_SLOWDOWN * best[0]
 
 
 def pick_row_product(speeds):
@@ -206,7 +213,7 @@ def row_product_choices():
 # A server's batch: several rows at once. F.linear (MKL's gemm on most builds) packs the weight for its
 # kernel on every call, which at 32 rows costs as much as the product on some CPUs; oneDNN over a copy of
 # the weight packed once at load (_reorder_linear_weight, for that many rows) does not. Chosen per shape by
-# measurement like the one-row products (1.25x the server's tokens/s on an AMD EPYC Zen 1), for serve.py
+# measurement like the one-row products (1.17x the server's tokens/s on an AMD EPYC Zen 1), for serve.py
 # only: the copy doubles the weights' memory, which one stream's prefill does not repay.
 BATCH_PRODUCTS = ("linear", "onednn_packed")
 BATCH_OVERRIDE = "SMALLGPT_BATCH_PRODUCT"
@@ -222,7 +229,8 @@ def prepack(weight, rows):
 def time_batch_products(linears, rows, rounds=5):
     """{name: GFLOP/s} of F.linear and of oneDNN over prepacked weights for `rows` rows over these (weight,
     bias) pairs, best of interleaved rounds; 0.0 where oneDNN cannot (no bf16 inner product on AVX2)."""
-    x = {w.size(1): torch.randn(rows, w.size(1)).to(w.dtype) for w, _ in linears}
+    generator = torch.Generator().manual_seed(0)
+    x = {w.size(1): torch.randn(rows, w.size(1), generator=generator).to(w.dtype) for w, _ in linears}
     try:
         packed = [(prepack(w, rows), b) for w, b in linears]
         onednn_linear(x[linears[0][0].size(1)], *packed[0])
@@ -254,13 +262,6 @@ def batch_products(linears, rows):
         return "onednn_packed" if speeds["onednn_packed"] >= BATCH_MIN_GAIN * speeds["linear"] else "linear", speeds
 
     return by_shape(linears, _chosen_batch, lambda shape: (*shape, rows), BATCH_OVERRIDE, BATCH_PRODUCTS, decide)
-
-
-def batch_product_choices():
-    """{'dtype out x in, N rows': 'name (GFLOP/s of each)'}: serve.py's startup lines."""
-    return {f"{str(dtype).replace('torch.', '')} {n}x{k}, {rows} rows": name + (
-                " (" + ", ".join(f"{p} {v:.1f}" for p, v in speeds.items()) + " GFLOP/s)" if speeds else f" ({BATCH_OVERRIDE})")
-            for (dtype, n, k, rows), (name, speeds) in _chosen_batch.items()}
 
 
 class RowLinear(nn.Linear):
@@ -367,12 +368,21 @@ def for_inference(model, weights_dtype, batch_rows=0):
         return quantize_int8(model)
     model.eval().to(dtype=getattr(torch, weights_dtype))
     if next(model.parameters()).device.type == "cpu":
-        linears = list({id(m.weight): (m.weight.detach(), m.bias) for m in model.modules() if type(m) is nn.Linear}.values())
-        products = row_products(linears)
-        batch = batch_products(linears, batch_rows) if batch_rows > 1 else {}
+        products = row_products(linear_weights(model, nn.Linear))
         replace_linears(model, lambda linear: row_linear(linear, products[shape_key(linear.weight)]))
         use_row_product(model, products)
-        for m in model.modules():
-            if isinstance(m, RowLinear) and batch.get(shape_key(m.weight)) == "onednn_packed":
-                m.packed = prepack(m.weight.detach(), batch_rows)
+        if batch_rows > 1:  # timed on the weights as the row products laid them out, which F.linear reads
+            batch = batch_products(linear_weights(model, RowLinear), batch_rows)
+            for m in model.modules():
+                if isinstance(m, RowLinear) and batch[shape_key(m.weight)] == "onednn_packed":
+                    try:
+                        m.packed = prepack(m.weight.detach(), batch_rows)
+                    except RUN_ERRORS as e:  # only where SMALLGPT_BATCH_PRODUCT forced it: measuring skips it
+                        raise ConfigError(f"{BATCH_OVERRIDE}=onednn_packed: oneDNN cannot pack {m.weight.dtype} "
+                                          f"weights on this CPU ({str(e).splitlines()[0]}); unset it") from None
     return model
+
+
+def linear_weights(model, kind):
+    """(weight, bias) of each distinct weight of the model's `kind` modules (a tied head counted once)."""
+    return list({id(m.weight): (m.weight.detach(), m.bias) for m in model.modules() if type(m) is kind}.values())

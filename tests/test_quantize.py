@@ -86,11 +86,25 @@ def test_transposed_products_are_not_timed_where_several_rows_read_a_transposed_
         return real(x, weight, bias)
 
     monkeypatch.setattr(quantize, "_chosen", {})
+    monkeypatch.setattr(quantize, "TIMED_MACS", 0)  # one call per timing: each sleeps
     monkeypatch.setattr(F, "linear", linear)
     weight = torch.randn(48, 32)
     assert not quantize.transposed_is_fine(weight, None)
     quantize.row_products([(weight, None)])
     assert not quantize.TRANSPOSED & set(quantize._chosen[torch.float32, 48, 32][1])  # neither linear_t nor bags timed
+
+    def slow_row_major(x, weight, bias=None):  # the other way round: the transposed layout is the fast one
+        if weight.is_contiguous() and x.numel() != x.size(-1):
+            time.sleep(0.02)
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(F, "linear", slow_row_major)
+    monkeypatch.setattr(quantize, "_chosen", {})
+    assert quantize.transposed_is_fine(weight, None)
+    quantize.row_products([(weight, None)])
+    assert quantize.TRANSPOSED <= set(quantize._chosen[torch.float32, 48, 32][1])
+    # a single row or column is the same memory either way (a (1, n_embd) gate of an M layer with one head)
+    assert quantize.transposed_is_fine(torch.randn(1, 32), None) and quantize.transposed_is_fine(torch.randn(48, 1), None)
 
 
 @pytest.mark.parametrize("arch", [dict(), dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2,
@@ -101,7 +115,7 @@ def test_bf16_inference_decodes_like_the_uncached_bf16_forward(arch):
     assert not model.training and all(p.dtype == torch.bfloat16 for p in model.parameters())
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is quantize.RowLinear for m in linears)
-    assert len({m.product for m in linears}) == 1
+    assert all(m.product == quantize._chosen[quantize.shape_key(m.weight)][0] for m in linears)  # each shape's own
     assert (model.lm_head.weight is model.tok_emb.weight) == model.config.tie_embeddings
     idx = torch.randint(100, (1, 20))
     with torch.no_grad():
@@ -189,6 +203,24 @@ def test_batches_through_a_packed_copy_compute_what_f_linear_does_and_decode_the
         assert torch.equal(generate.generate(packed, prompt, 20, GREEDY), generate.generate(plain, prompt, 20, GREEDY))
         rows[0].packed = quantize.prepack(torch.zeros_like(rows[0].weight), 4)  # several rows read the copy, not the weight
         assert torch.equal(rows[0](x), rows[0].bias.expand(3, 5, -1)) and not torch.equal(rows[0](x[0, 0]), rows[0].bias)
+
+
+@pytest.mark.parametrize("speeds, chosen", [
+    (dict(linear=35.3, onednn_packed=40.9), "onednn_packed"),  # 384x1536 at 32 rows, AMD Zen 1: 1.16x
+    (dict(linear=27.8, onednn_packed=26.7), "linear"),  # a tie costs memory, not speed
+    (dict(linear=21.6, onednn_packed=0.0), "linear"),  # oneDNN cannot (bf16 on AVX2)
+])  # fmt: skip
+def test_a_packed_copy_is_kept_only_where_it_is_faster(monkeypatch, speeds, chosen):
+    monkeypatch.setattr(quantize, "_chosen_batch", {})
+    monkeypatch.setattr(quantize, "time_batch_products", lambda linears, rows: speeds)
+    assert quantize.batch_products([(torch.randn(48, 32), None)], 32) == {(torch.float32, 48, 32): chosen}
+
+
+def test_every_weight_shape_loads_for_inference(monkeypatch):
+    """Shapes with a single row or column (an M layer's gates with one head) go through the row products' checks."""
+    monkeypatch.setattr(quantize, "_chosen", {})
+    model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=32, block_size=16, vocab_size=50, attn_pattern="M"))
+    assert any(1 in m.weight.shape for m in for_inference(model, "float32").modules() if type(m) is quantize.RowLinear)
 
 
 def test_a_compiled_graph_computes_row_linear_with_f_linear():
