@@ -254,14 +254,15 @@ class Engine:
 
     def chunk(self, job, riding=0):
         """(the next tokens of job's prompt (1, T), its cache, how many logits it needs): prefill_chunk
-        tokens in a pass of their own; riding a decode pass of `riding` rows, at most max(RIDE_MIN, riding).
-        On a CPU a pass costs about linearly in its rows, so a chunk no longer than the rows it rides with
-        at most about doubles their step: a long prompt joining a few streams delays each of their tokens
-        by at most about one step of their own, in more, smaller chunks."""
+        tokens in a pass of their own; riding a decode pass of `riding` rows on a CPU, at most
+        max(RIDE_MIN, riding). On a CPU a pass costs about linearly in its rows, so a chunk no longer than the
+        rows it rides with at most about doubles their step: a long prompt joining a few streams delays each
+        of their tokens by at most about one step of their own, in more, smaller chunks."""
         if job.cache is None:
             job.cache, job.prompt_logits = self.model.new_cache(), []
         start = job.cache.length
-        size = self.prefill_chunk if not riding else min(self.prefill_chunk, max(RIDE_MIN, riding))
+        cpu = self.device.type == "cpu"  # (on a GPU a pass's time is flat in its rows until it is large)
+        size = min(self.prefill_chunk, max(RIDE_MIN, riding)) if riding and cpu else self.prefill_chunk
         end = min(len(job.prompt), start + size)
         want_prompt = job.echo and job.logprobs is not None
         return torch.tensor([job.prompt[start:end]], device=self.device), job.cache, end - start if want_prompt else 1
@@ -427,7 +428,7 @@ def parse_request(body, tokenizer, config, max_tokens_limit):
         raise BadRequest("the body must be a JSON object")
     prompts = prompts_of(body, tokenizer, config.vocab_size)
     s = dict(
-        max_tokens=field(body, "max_tokens", (int,), 16, lambda v: 0 <= v <= max_tokens_limit,
+        max_tokens=field(body, "max_tokens", (int,), min(16, max_tokens_limit), lambda v: 0 <= v <= max_tokens_limit,
                          f"in [0, {max_tokens_limit}] (the server's max_tokens_limit)"),
         **sampling_fields(body),
         echo=field(body, "echo", (bool,), False),
@@ -548,6 +549,8 @@ def make_app(model, tokenizer, c, name, engine_thread=True):
             await asyncio.wait([collecting, gone], return_when=asyncio.FIRST_COMPLETED)
         finally:  # (or the server cancelled the handler)
             gone.cancel()
+            if gone.done() and not gone.cancelled():
+                gone.exception()  # a receive() that failed counts as the client gone (read, so not logged as unread)
             left = not collecting.done()
             if left:  # the client left before the answer: its rows are free at the next step
                 collecting.cancel()
@@ -555,6 +558,7 @@ def make_app(model, tokenizer, c, name, engine_thread=True):
                     job.cancelled = True
         if left:
             return Response(status_code=499)  # nginx's "client closed request": no one reads it
+        collecting.result()  # (raises what collecting raised)
         if reply.failure:
             return JSONResponse({"error": {"message": reply.failure, "type": "server_error", "param": None,
                                            "code": None}}, status_code=500)
@@ -576,7 +580,7 @@ async def disconnect(request):
     listens while it sends; a whole one sends nothing until the end, so it listens here (uvicorn's receive()
     after the body waits for the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
-        pass
+        await asyncio.sleep(0.05)  # (a server that answers at once, against ASGI's rule, is polled, not spun on)
 
 
 class Reply:

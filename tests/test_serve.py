@@ -1,11 +1,14 @@
 """serve.py: the OpenAI-compatible server on a local port, through real clients (openai, HTTP, lm-eval, a browser)."""
 
+import itertools
 import json
+import os
 import re
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -154,6 +157,7 @@ def test_errors_in_openais_shape(server, client):
     assert status == 400 and "characters not in the vocabulary" in body["error"]["message"]
     status, body = server.post({"prompt": "The", "max_tokens": 10**9})
     assert status == 400 and "'max_tokens' must be in [0, 16384] (the server's max_tokens_limit)" in body["error"]["message"]
+    assert serve.parse_request({"prompt": "The"}, server.tokenizer, server.model.config, 4)[1]["max_tokens"] == 4  # default capped
     for bad in [{"prompt": "The", "max_tokens": -1}, {"prompt": "The", "max_tokens": "ten"}, {"prompt": ""},
                 {"prompt": 5}, {"prompt": "The", "n": 0}, {"prompt": "The", "stop": [""]}, {"prompt": "The", "logprobs": 99}]:
         status, body = server.post(bad)
@@ -329,19 +333,80 @@ def test_no_other_script_imports_fastapi():
     assert result.stdout.strip() == "none", f"{result.stdout.strip()} brings in fastapi or uvicorn; {result.stderr}"
 
 
-def rendered_page(url):
-    """The page's DOM once its stream has finished (headless chromium), or a skip without chromium."""
+class DevTools:
+    """Headless chromium driven over the DevTools protocol on a pipe (--remote-debugging-pipe: it reads
+    NUL-ended JSON commands on its fd 3 and writes replies and events on fd 4), as Puppeteer's pipe
+    transport does: no websocket client needed."""
+
+    def __init__(self, browser, profile):
+        commands, self.commands = os.pipe()
+        self.replies, replies = os.pipe()
+
+        def on_fds_3_and_4():  # in the child, before exec
+            os.dup2(commands, 3)
+            os.dup2(replies, 4)
+
+        self.process = subprocess.Popen(
+            [browser, "--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe", f"--user-data-dir={profile}",
+             "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync", "about:blank"],
+            preexec_fn=on_fds_3_and_4, pass_fds=(3, 4), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.close(commands)
+        os.close(replies)
+        self.ids, self.buffer = itertools.count(1), b""
+
+    def call(self, method, session=None, **params):
+        """The result of one command (events that come before its reply are skipped)."""
+        id = next(self.ids)
+        message = {"id": id, "method": method, "params": params, **({"sessionId": session} if session else {})}
+        os.write(self.commands, json.dumps(message).encode() + b"\0")
+        while True:
+            while b"\0" not in self.buffer:
+                chunk = os.read(self.replies, 1 << 16)
+                if not chunk:
+                    raise RuntimeError(f"chromium closed its DevTools pipe (exit code {self.process.poll()})")
+                self.buffer += chunk
+            line, self.buffer = self.buffer.split(b"\0", 1)
+            reply = json.loads(line)
+            if reply.get("id") == id:
+                if "error" in reply:
+                    raise RuntimeError(f"{method}: {reply['error']}")
+                return reply["result"]
+
+    def close(self):
+        try:
+            self.call("Browser.close")
+        except (OSError, RuntimeError):
+            pass
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        os.close(self.commands)
+        os.close(self.replies)
+
+
+def rendered_page(url, seconds=120):
+    """The page's DOM once its stream has finished (its stats line says `finished: `), waited for in real
+    time, or a skip without chromium. (--dump-dom dumped when the page's virtual time ran out, which went on
+    while the stream's body arrived: on a slow machine mid-stream.)"""
     browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
     if browser is None:
         pytest.skip("no chromium here (.ci/run installs Debian's chromium where apt can)")
-    # --dump-dom waits for the page's virtual time, which runs on while the stream's body arrives in real
-    # time: on a busy machine the dump can come before the stream ends. Up to three looks, each longer.
-    for budget in (15_000, 60_000, 240_000):
-        result = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", f"--virtual-time-budget={budget}",
-                                 "--dump-dom", url], capture_output=True, text=True, timeout=120)
-        if re.search(r'id="stats">[^<]*finished: ', result.stdout):  # the rendered line, not the script's text
-            break
-    return result.stdout
+    with tempfile.TemporaryDirectory() as profile:
+        devtools = DevTools(browser, profile)
+        try:
+            target = devtools.call("Target.createTarget", url=url)["targetId"]
+            session = devtools.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
+            deadline, dom = time.time() + seconds, ""
+            while time.time() < deadline:
+                dom = devtools.call("Runtime.evaluate", session, expression="document.documentElement.outerHTML",
+                                    returnByValue=True)["result"].get("value", "")
+                if re.search(r'id="stats">[^<]*finished: ', dom):  # the rendered line, not the script's text
+                    break
+                time.sleep(0.1)
+            return dom
+        finally:
+            devtools.close()
 
 
 def html(text):

@@ -265,6 +265,8 @@ def compare(a):
     """The batched phase against each variant in turn, interleaved over a.rounds: medians per variant."""
     variants = [variant(spec) for spec in a.compare]
     runs = {name: [] for name, _, _ in variants}
+    if len(runs) != len(variants):
+        raise SystemExit("--compare: give each variant a name of its own")
     for r in range(a.rounds):
         for name, env, keys in variants:
             server = ServeProcess(a.out_dir, env, **{"max_batch": a.max_batch, "max_queue": a.clients, **keys})
@@ -274,10 +276,14 @@ def compare(a):
             finally:
                 server.stop()
             out = runs[name][-1]
-            print(f"round {r} {name}: {out['tokens_per_sec']:.0f} tokens/s, per-token p50 {out['token_ms_p50']:.1f} ms, "
-                  f"p95 {out['token_ms_p95']:.1f} ms, failed {out['failed']}", flush=True)
-    figures = {name: {key: statistics.median(out[key] for out in outs) for key in
-                      ("tokens_per_sec", "token_ms_p50", "token_ms_p95", "ttft_ms_p50", "failed")}
+            print(f"round {r} {name}: {out['tokens_per_sec']:.0f} tokens/s, per-token p50 {out['token_ms_p50']} ms, "
+                  f"p95 {out['token_ms_p95']} ms, failed {out['failed']}", flush=True)
+
+    def median(outs, key):  # None where a round had no figure (every request failed)
+        values = [out[key] for out in outs if out[key] is not None]
+        return statistics.median(values) if values else None
+
+    figures = {name: {key: median(outs, key) for key in ("tokens_per_sec", "token_ms_p50", "token_ms_p95", "ttft_ms_p50", "failed")}
                for name, outs in runs.items()}
     for name, f in figures.items():
         print(name, json.dumps(f), flush=True)
