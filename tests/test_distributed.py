@@ -113,8 +113,9 @@ def test_a_killed_worker_ends_the_job_and_a_restart_resumes_bit_exact(tmp_path, 
     straight = torchrun(tmp_path / "straight", char_dataset, "--max_iters=60", "--eval_interval=20",
                         "--gradient_accumulation_steps=2")  # first: the runs below leave killed workers behind them
     # no restarts: the job ends (gloo sees the peer gone), with torchrun naming the killed worker; the last
-    # checkpoint (iteration 40) loads
-    seconds, code, output = kill_one_worker_at(tmp_path / "dies", char_dataset, 45)
+    # checkpoint (iteration 40) loads. torchrun looks at its workers every 3 s here, not 0.1: on a busy
+    # machine it could stop rank 0 before rank 0 had seen the peer gone and said so
+    seconds, code, output = kill_one_worker_at(tmp_path / "dies", char_dataset, 45, "--monitor-interval=3")
     assert code != 0 and seconds < 60 and "Signal 9 (SIGKILL)" in output
     assert "error: rank 0: another process of this job is gone" in output and "restart with --init_from=auto" in output
     assert load_checkpoint(str(tmp_path / "dies" / "ckpt.pt"))["iter_num"] == 40
