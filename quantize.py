@@ -139,16 +139,23 @@ def transposed_is_fine(weight, bias, rounds=2):
     bias = None if bias is None else bias[:1024]
     x = torch.randn(SEVERAL_ROWS, weight.size(1), generator=torch.Generator().manual_seed(0)).to(weight.dtype)
     calls = max(1, TIMED_MACS // (SEVERAL_ROWS * weight.numel()))
-    layouts = [weight.contiguous(), laid_out(weight, "bags")]
-    best = [float("inf")] * 2
+    row_major, transposed = weight.contiguous(), laid_out(weight, "bags")
+    best = fastest({"row-major": lambda: [F.linear(x, row_major, bias) for _ in range(calls)],
+                    "transposed": lambda: [F.linear(x, transposed, bias) for _ in range(calls)]}, rounds)
+    return best["transposed"] <= TRANSPOSED_SLOWDOWN * best["row-major"]
+
+
+def fastest(runs, rounds):
+    """{name: seconds}: the best time of each run() over `rounds` interleaved rounds, after one that warms up."""
+    best = dict.fromkeys(runs, float("inf"))
     with torch.no_grad():
-        for _ in range(rounds + 1):
-            for i, layout in enumerate(layouts):
+        for r in range(rounds + 1):
+            for name, run in runs.items():
                 start = time.perf_counter()
-                for _ in range(calls):
-                    F.linear(x, layout, bias)
-                best[i] = min(best[i], time.perf_counter() - start)
-    return best[1] <= TRANSPOSED_SLOWDOWN * best[0]
+                run()
+                if r:
+                    best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def pick_row_product(speeds):
@@ -239,14 +246,7 @@ def time_batch_products(linears, rows, rounds=5):
     runs = {"linear": lambda: [F.linear(x[w.size(1)], w, b) for w, b in linears]}
     if packed is not None:
         runs["onednn_packed"] = lambda: [onednn_linear(x[w.size(1)], p, b) for (w, _), (p, b) in zip(linears, packed)]
-    best = dict.fromkeys(BATCH_PRODUCTS, float("inf"))
-    with torch.no_grad():
-        for r in range(rounds + 1):
-            for name, run in runs.items():
-                start = time.perf_counter()
-                run()
-                if r:
-                    best[name] = min(best[name], time.perf_counter() - start)
+    best = dict.fromkeys(BATCH_PRODUCTS, float("inf")) | fastest(runs, rounds)
     flops = sum(2 * rows * w.numel() for w, _ in linears)
     return {name: flops / seconds / 1e9 for name, seconds in best.items()}
 

@@ -301,12 +301,14 @@ def main():
     parser.add_argument("--compare", nargs="+", default=[], metavar="NAME:KEY=VALUE,...")
     parser.add_argument("--rounds", type=int, default=3, help="with --compare: interleaved rounds")
     a = parser.parse_args()
-    if a.compare:
-        figures = compare(a)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(figures, f, indent=2)
-        return
+    figures = compare(a) if a.compare else load_and_faults(a)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(figures, f, indent=2)
+
+
+def load_and_faults(a):
+    """The default run: batched and one at a time, the faults, the queue limit."""
     figures = {}
     for name, batch in (("batched", a.max_batch), ("one_at_a_time", 1)):
         server = ServeProcess(a.out_dir, max_batch=batch, max_queue=a.clients)
@@ -331,9 +333,7 @@ def main():
     finally:
         server.stop()
     print(f"aggregate tokens/s, batched / one at a time: {figures['batched_vs_one_at_a_time']:.2f}x")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(figures, f, indent=2)
+    return figures
 
 
 if __name__ == "__main__":
