@@ -17,6 +17,7 @@ The rules we follow are the hf backend's, request by request:
 """
 
 import difflib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -158,12 +159,19 @@ def local_tasks(include_path, tasks):
     return manager if all(t in manager.all_subtasks for t in tasks) else None
 
 
+@functools.lru_cache(maxsize=4)
+def task_index(include_path=None):
+    """lm-eval's index of its own tasks and include_path's: 6-17 s to build (thousands of YAML files), so a
+    process builds it once per include_path (a YAML file added to that folder later is not seen)."""
+    return TaskManager(include_path=include_path)
+
+
 def run_tasks(lm, tasks, limit=None, num_fewshot=None, include_path=None, log_samples=False, task_manager=None):
     """lm-eval's simple_evaluate over our LM -> {"results", "n-shot", "versions", "table"} (and "samples",
     per request, with log_samples). Errors are ConfigErrors with one line for the user. task_manager:
     lm-eval's index of tasks; by default include_path's own (a fraction of a second) when it holds every
-    task asked for, else one of lm-eval's tasks too (about 6 s to build)."""
-    manager = task_manager or local_tasks(include_path, tasks) or TaskManager(include_path=include_path)
+    task asked for, else task_index's, with lm-eval's tasks too."""
+    manager = task_manager or local_tasks(include_path, tasks) or task_index(include_path)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         close = {t: difflib.get_close_matches(t, manager.all_tasks, n=3) for t in unknown}
