@@ -172,7 +172,21 @@ def has_score_mod(positions):
     return defines("score_mod") <= defines("attn_bias")
 
 
-@torch.compiler.disable  # outside a compiled model's graph: once per forward, each block mask once per shape
+def outside_compiled_graphs(fn):
+    """torch.compiler.disable(fn), made at fn's first call (as torch's own _disable_dynamo): the decorator
+    imports torch._dynamo, 2 s that every command line paid at start-up though only a compiled run needs it."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        disabled = getattr(fn, "outside_graphs", None)
+        if disabled is None:
+            disabled = fn.outside_graphs = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    return call
+
+
+@outside_compiled_graphs  # once per forward, each block mask once per shape
 def flex_mask(kind, config, positions, T, device, mask_mod, score_mod):
     if not flex_available(torch.device(device).type) or not has_score_mod(positions):
         return kind.mask(config, positions, 0, T, device)

@@ -494,7 +494,7 @@ def test_a_second_ctrl_c_exits_at_once_with_one_line(tmp_path, char_dataset):
     # a step of 1-3 s on one thread (2.4 s on a Zen 4 core): one core's speed varies less than a machine's
     big = ["--n_layer=4", "--n_embd=256", "--n_head=4", "--block_size=256", "--batch_size=32"]
     proc = start_training(*TINY_RUN, *big, f"--dataset={char_dataset}", f"--out_dir={tmp_path}", "--max_iters=1000",
-                          "--eval_interval=1000", env={"OMP_NUM_THREADS": "1"})
+                          "--eval_interval=1000", "--eval_iters=1", env={"OMP_NUM_THREADS": "1"})  # (its first evaluation: 4 s)
     wait_for(proc, "iter 0:")
     time.sleep(0.3)  # inside the step of iteration 1
     proc.send_signal(signal.SIGINT)
