@@ -173,8 +173,10 @@ def has_score_mod(positions):
 
 
 def outside_compiled_graphs(fn):
-    """torch.compiler.disable(fn), made at fn's first call (as torch's own _disable_dynamo): the decorator
-    imports torch._dynamo, 2 s that every command line paid at start-up though only a compiled run needs it."""
+    """torch.compiler.disable(fn), made at fn's first call (like torch's own _disable_dynamo, though dynamo
+    traces this wrapper: on a first call inside a compile the graph breaks here, at the same place): the
+    decorator imports torch._dynamo, 2 s that every command line paid at start-up though only a compiled run
+    (or FlexAttention's compiled kernel) needs it."""
 
     @functools.wraps(fn)
     def call(*args, **kwargs):

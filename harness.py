@@ -18,6 +18,7 @@ The rules we follow are the hf backend's, request by request:
 
 import difflib
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -171,7 +172,8 @@ def run_tasks(lm, tasks, limit=None, num_fewshot=None, include_path=None, log_sa
     per request, with log_samples). Errors are ConfigErrors with one line for the user. task_manager:
     lm-eval's index of tasks; by default include_path's own (a fraction of a second) when it holds every
     task asked for, else task_index's, with lm-eval's tasks too."""
-    manager = task_manager or local_tasks(include_path, tasks) or task_index(include_path)
+    manager = (task_manager or local_tasks(include_path, tasks)
+               or task_index(os.path.abspath(include_path) if include_path else None))  # (the same folder after a chdir)
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         close = {t: difflib.get_close_matches(t, manager.all_tasks, n=3) for t in unknown}
