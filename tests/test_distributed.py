@@ -2,7 +2,7 @@
 
 import pytest
 
-from conftest import TINY_RUN, read_metrics, run_script
+from conftest import TINY_RUN, read_metrics, run_main, run_script
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,7 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, char_dataset):
     """2 processes x 2 accumulation steps each = 1 process x 4: FSDP2 with AdamW, and DDP with Muon, whose
     Newton-Schulz each rank does for its share of the matrices and broadcasts (optim.Muon's shard)."""
     def single(name, *extra):
-        result = run_script("train.py", *TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path / name}",
+        result = run_main("train.py", *TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path / name}",
                             "--max_iters=5", "--gradient_accumulation_steps=4", *extra)
         assert result.returncode == 0, result.stderr[-3000:]
         return step_losses(tmp_path / name)
@@ -145,8 +145,6 @@ def test_ddp_fine_tuning_on_conversations_matches_one_process(tmp_path, trained_
     """SFT with LoRA: 2 processes x 2 micro-batches = 1 process x 4, though each micro-batch holds another
     count of trained tokens (the loss is normalised by the whole step's count, over both processes)."""
     from conftest import SFT_RUN
-
-    from conftest import run_main
 
     keys = [*SFT_RUN, f"--init_from={trained_run}", f"--dataset={chat_data[1]}", "--max_iters=3", "--eval_interval=3",
             "--eval_iters=2", "--gradient_accumulation_steps=4", "--lora_rank=4", "--lora_targets=all"]
