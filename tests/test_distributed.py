@@ -24,7 +24,7 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, char_dataset):
     Newton-Schulz each rank does for its share of the matrices and broadcasts (optim.Muon's shard)."""
     def single(name, *extra):
         result = run_main("train.py", *TINY_RUN, f"--dataset={char_dataset}", f"--out_dir={tmp_path / name}",
-                            "--max_iters=5", "--gradient_accumulation_steps=4", *extra)
+                          "--max_iters=5", "--gradient_accumulation_steps=4", *extra)
         assert result.returncode == 0, result.stderr[-3000:]
         return step_losses(tmp_path / name)
 
