@@ -116,8 +116,8 @@ def time_row_products(linears, rounds=5, names=ROW_PRODUCTS):
                 if r:
                     best[name] = min(best[name], time.perf_counter() - start)
             if r == 1:
-                fastest = min(best.values())
-                products = {name: p for name, p in products.items() if fastest >= DROP_BELOW * best[name]}
+                leader = min(best.values())
+                products = {name: p for name, p in products.items() if leader >= DROP_BELOW * best[name]}
     size = sum(w.numel() * w.element_size() for w, _ in linears)
     return {name: size / seconds / 1e9 for name, seconds in best.items()}  # 0.0: cannot run here
 
