@@ -12,7 +12,8 @@ one, until the time is up; a request that fails, or returns fewer tokens than as
   python tools/serve_load.py --out_dir=RUN --compare "packed:" "linear:SMALLGPT_BATCH_PRODUCT=linear" --rounds=3
 
 compares servers instead (each NAME:KEY=VALUE,...: environment variables, or serve.py keys as --key=value):
-the batched clients only, against each in turn, interleaved over --rounds (A, B, A, B, ...), medians.
+the batched clients only, against each in turn, interleaved over --rounds (A, B, A, B, ...), medians, and
+the median over rounds of the first variant's tokens/s and p95 over each other's.
 """
 
 import argparse
@@ -285,6 +286,11 @@ def compare(a):
 
     figures = {name: {key: median(outs, key) for key in ("tokens_per_sec", "token_ms_p50", "token_ms_p95", "ttft_ms_p50", "failed")}
                for name, outs in runs.items()}
+    first = variants[0][0]
+    for name in list(runs)[1:]:  # each round's pair, then the median of those ratios (the rounds' noise paired off)
+        for key in ("tokens_per_sec", "token_ms_p95"):
+            ratios = [a[key] / b[key] for a, b in zip(runs[first], runs[name]) if a[key] and b[key]]
+            figures[name][f"{first}_over_this_{key}"] = statistics.median(ratios) if ratios else None
     for name, f in figures.items():
         print(name, json.dumps(f), flush=True)
     return figures
