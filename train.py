@@ -9,6 +9,7 @@ Config files are Python files that assign keys; --key=value overrides them. Ever
 key too. Unknown keys and wrong types exit with status 2 before anything runs.
 """
 
+import inspect
 import json
 import math
 import os
@@ -337,9 +338,13 @@ class Run:
         if self.world.enabled and not self.train_config.fsdp:
             from torch.nn.parallel import DistributedDataParallel
 
-            # buffers (RoPE tables, ALiBi slopes) are constants: no need to sync them every forward
+            # buffers (RoPE tables, ALiBi slopes) are constants: no need to sync them every forward. torch 2.13
+            # renamed broadcast_buffers (now deprecated) to forward_sync_buffers; older torch (GPU nodes often
+            # carry their own build) knows only the old name
             device_ids = [self.world.local_rank] if self.device_type == "cuda" else None
-            self.model = DistributedDataParallel(self.model, device_ids=device_ids, forward_sync_buffers=False)
+            no_sync = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                       else "broadcast_buffers")
+            self.model = DistributedDataParallel(self.model, device_ids=device_ids, **{no_sync: False})
 
     def to_device(self, t):
         return t.pin_memory().to(self.device, non_blocking=True) if self.pin else t.to(self.device)
