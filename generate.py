@@ -202,7 +202,9 @@ class StaticDecode:
         if cache is None or (limit is not None and length >= limit):
             return None  # the eager step: runs afresh past the context
         if self.caches is None:
-            if cache.length != length - 1:  # the prefill (its first token) is the eager way's
+            # the prefill is the eager way's: the caches are made from what it left, once it has run (a
+            # one-token prompt's cache is still empty at its first step, though length - 1 is 0 there too)
+            if cache.length == 0 or cache.length != length - 1:
                 return None
             max_len = min(self.model.config.block_size, end)
             self.caches = [block.attn.static_cache(layer, cache.length, max_len)

@@ -170,8 +170,8 @@ STATIC_CASES = {
 }  # fmt: skip
 
 
-def eager_and_static(model, sampling, new_tokens, compile, eos=None):
-    idx = torch.randint(0, 61, (3, 7), generator=torch.Generator().manual_seed(1))
+def eager_and_static(model, sampling, new_tokens, compile, eos=None, prompt_len=7):
+    idx = torch.randint(0, 61, (3, prompt_len), generator=torch.Generator().manual_seed(1))
     gens = lambda: [torch.Generator().manual_seed(10 + i) for i in range(3)]  # noqa: E731
     eager = model.generate(idx, new_tokens, sampling, eos, generator=gens())
     g = gens()
@@ -187,6 +187,16 @@ def test_static_decode_step_gives_the_eager_loops_tokens(case):
     model = build(**case)
     for sampling in (Sampling(temperature=0), Sampling(temperature=0.9, top_k=20)):
         eager, static = eager_and_static(model, sampling, 50, compile=False, eos=5)
+        assert torch.equal(eager, static), sampling
+
+
+@pytest.mark.parametrize("case", [{}, dict(pos_emb="rope", attn_pattern="SR", attn_window=4)], ids=["full", "window and linear"])
+def test_the_static_step_after_a_one_token_prompt(case):
+    """A one-token prompt (sample.py's default "\\n") has its prefill run eager before the static caches are
+    made from it; the step took the empty cache for a prefilled one and read cache.k while it was None."""
+    model = build(**case)
+    for sampling in (Sampling(temperature=0), Sampling(temperature=0.9, top_k=20)):
+        eager, static = eager_and_static(model, sampling, 12, compile=False, prompt_len=1)
         assert torch.equal(eager, static), sampling
 
 
