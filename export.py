@@ -16,28 +16,52 @@ template (Jinja, in tokenizer_config.json) and the template's tokens as special 
 gives our prompt ids, and its generate() stops where our replies do.
 """
 
+import os
 from dataclasses import dataclass
 
 from checkpoint import load_any
 from configurator import ConfigError, cli_main, parse_config
 from dataset import tokenizer_from_meta
-from hf import save_tokenizer
+from hf import hf_family, save_tokenizer
 
 
 @dataclass
 class ExportConfig:
     out_dir: str = "out"  # the training run whose ckpt.pt to export
     hf_dir: str = "hf-export"  # the Hugging Face directory to write
+    overwrite: bool = False  # hf_dir holds files already: False refuses, True replaces the files an export writes
+
+
+# what an export writes (hf.save_pretrained, hf.save_tokenizer): replaced together with overwrite=True, so
+# no file of an earlier export (a chat template, GPT-2's merges) outlives it beside the new one
+EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
+
+
+def check_target(hf_dir, overwrite):
+    """Refuses an hf_dir that is a file, or a folder with files in it unless overwrite; with overwrite,
+    removes an earlier export's files there (the folder's other files stay)."""
+    if os.path.exists(hf_dir) and not os.path.isdir(hf_dir):
+        raise ConfigError(f"hf_dir={hf_dir} is a file; give a folder to write the export into")
+    held = sorted(os.listdir(hf_dir)) if os.path.isdir(hf_dir) else []
+    if held and not overwrite:
+        shown = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise ConfigError(f"hf_dir={hf_dir} is not empty (it holds {shown}): --overwrite=True replaces an export "
+                          "there, or give another --hf_dir")
+    for name in EXPORT_FILES:
+        if name in held:
+            os.remove(os.path.join(hf_dir, name))
 
 
 def main(argv=None):
     def command(argv):
-        c, _ = parse_config(ExportConfig, argv, "python export.py --out_dir=DIR --hf_dir=DIR",
+        c, _ = parse_config(ExportConfig, argv, "python export.py --out_dir=DIR --hf_dir=DIR [--overwrite=True]",
                             __doc__.strip().splitlines()[0])
         model, _, state = load_any(c.out_dir)
         if state is None:
             raise ConfigError(f"out_dir={c.out_dir} is a Hugging Face model already; export takes a training run's out_dir")
         tokenizer_from_meta(state["tokenizer"])  # a tokenizer that cannot load (tiktoken offline) stops it here, before any file
+        hf_family(model.config)  # so does a shape transformers has no class for
+        check_target(c.hf_dir, c.overwrite)
         model.save_pretrained(c.hf_dir)
         note = save_tokenizer(state["tokenizer"], c.hf_dir, model.config.block_size)
         print(f"wrote {c.hf_dir} ({model.get_num_params():,} parameters); {note}")

@@ -27,7 +27,9 @@ import asyncio
 import collections
 import itertools
 import json
+import errno
 import signal
+import socket
 import sys
 import threading
 import time
@@ -480,6 +482,7 @@ def parse_chat_request(body, tokenizer, config, max_tokens_limit):
 def make_app(model, tokenizer, c, name, engine_thread=True):
     from fastapi import FastAPI, Request
     from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     app = FastAPI(title="smallgpt", docs_url=None, redoc_url=None)
     engine = app.state.engine = Engine(model, c.max_batch, c.max_queue, c.prefill_chunk, thread=engine_thread)
@@ -493,6 +496,15 @@ def make_app(model, tokenizer, c, name, engine_thread=True):
         if c.api_key and request.headers.get("authorization") != f"Bearer {c.api_key}":
             raise BadRequest("invalid or missing API key: send Authorization: Bearer <key>", status=401,
                              code="invalid_api_key")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e):
+        """Unknown paths (404) and methods (405) in OpenAI's error shape, as OpenAI words them, not FastAPI's
+        {"detail": "Not Found"}: every answer a client gets from here parses the same way."""
+        where = f"{request.method} {request.url.path}"
+        message = {404: f"Invalid URL ({where}): this server answers /v1/completions, /v1/chat/completions and /v1/models",
+                   405: f"Method not allowed ({where})"}.get(e.status_code, f"{e.detail} ({where})")
+        return error(BadRequest(message, status=e.status_code, headers=e.headers))
 
     @app.get("/health")
     def health():
@@ -799,6 +811,16 @@ def serve(c):
     except ImportError:
         raise ConfigError("serve.py needs FastAPI and uvicorn, which are not installed: "
                           "pip install -r requirements-serve.txt") from None
+    listening = listen_on(c.host, c.port)  # before the model loads: a port in use fails at once
+    try:
+        serve_on(listening, c)
+    finally:
+        listening.close()
+
+
+def serve_on(listening, c):
+    import uvicorn
+
     device = pick_device(c.device)
     model, tokenizer, _ = load_for(c)
     model = checked(for_inference, model.to(device=device), c.weights_dtype, batch_rows=c.max_batch)
@@ -810,23 +832,46 @@ def serve(c):
         print(f"batches: {len(packed)} weights also packed for oneDNN over {c.max_batch} rows, measured faster than F.linear "
               f"(+{sum(t.numel() * t.element_size() for t in packed) / 2**20:.0f} MB; {BATCH_OVERRIDE}=linear keeps one copy)",
               file=sys.stderr)
-    print(f"serving {name} on http://{c.host}:{c.port} (max_batch={c.max_batch}, max_queue={c.max_queue})",
+    port = listening.getsockname()[1]  # (--port=0: the one the system chose)
+    print(f"serving {name} on http://{c.host}:{port} (max_batch={c.max_batch}, max_queue={c.max_queue})",
           file=sys.stderr)
     # The engine runs in the main thread, the HTTP server in another: once the main thread has run a
     # parallel region (loading the model does), torch's CPU kernels called from any other thread run
     # several times slower (OpenMP: a layer norm of 32 rows 8 us in the main thread, 75-85 us in another),
     # which halved the decode speed of an engine in a thread of its own.
     server = uvicorn.Server(uvicorn.Config(app, host=c.host, port=c.port, log_level="warning"))
-    http = threading.Thread(target=server.run, daemon=True, name="http")
+    http = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True, name="http")
     signal.signal(signal.SIGTERM, stop_serving)
     http.start()
     try:
         app.state.engine.run(lambda: not http.is_alive())
     except KeyboardInterrupt:
-        pass
+        return
     finally:
         server.should_exit = True
         http.join(timeout=10)
+    sys.exit("error: the HTTP server stopped on its own (its error is above); nothing is served")
+
+
+def listen_on(host, port):
+    """The server's socket, bound here (as uvicorn binds it) before anything else: uvicorn's own bind
+    failing only ends the HTTP thread, and the process went on, exiting 0 after saying it served."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except socket.gaierror as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port}: unknown host ({e.strerror})") from None
+    except OSError as e:
+        sock.close()
+        why = {errno.EADDRINUSE: "the port is in use (another server?): stop it or give another --port",
+               errno.EACCES: "not allowed (ports below 1024 need root): give --port=1024 or above",
+               errno.EADDRNOTAVAIL: "the address is not this machine's: give --host=127.0.0.1 or 0.0.0.0"}
+        raise ConfigError(f"cannot listen on {host}:{port}: {why.get(e.errno, e.strerror or e)}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 def stop_serving(signum, frame):

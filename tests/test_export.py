@@ -302,3 +302,27 @@ def test_a_chat_models_export_renders_our_prompt_ids_and_replies_as_we_do(tmp_pa
     out = out[: next((i for i, t in enumerate(out) if t in tokenizer.names), len(out))]
     conversation = Conversation(for_inference(model, "float32"), tokenizer, Sampling(temperature=0), 0, system="be brief")
     assert tokenizer.decode(out) == conversation.reply("sweet love", 6)
+
+
+def test_export_refuses_a_folder_with_files_unless_overwrite(tmp_path, trained_run, capsys):
+    """An export into a folder that holds files (another model's, a chat template) is refused in one line,
+    exit 2, nothing written; --overwrite=True replaces an earlier export's files, keeping the folder's others."""
+    import export
+
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "tokenizer_config.json").write_text('{"chat_template": "another model\'s"}')
+    (hf_dir / "README.md").write_text("mine")
+    before = {p.name: p.read_bytes() for p in hf_dir.iterdir()}
+    with pytest.raises(SystemExit) as exit:
+        export.main([f"--out_dir={trained_run}", f"--hf_dir={hf_dir}"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1, err
+    assert "is not empty (it holds README.md, tokenizer_config.json): --overwrite=True" in err
+    assert {p.name: p.read_bytes() for p in hf_dir.iterdir()} == before  # nothing written
+    export.main([f"--out_dir={trained_run}", f"--hf_dir={hf_dir}", "--overwrite=True"])
+    assert (hf_dir / "README.md").read_text() == "mine" and (hf_dir / "model.safetensors").exists()
+    assert "another model's" not in (hf_dir / "tokenizer_config.json").read_text()
+    with pytest.raises(SystemExit):  # a file where the folder should be
+        export.main([f"--out_dir={trained_run}", f"--hf_dir={hf_dir / 'README.md'}", "--overwrite=True"])
+    assert "is a file" in capsys.readouterr().err

@@ -165,6 +165,18 @@ def test_errors_in_openais_shape(server, client):
     assert server.post(None, raw=b"{not json")[0] == 400
     assert server.post(None, raw=b"x" * (2 << 20))[0] == 413
     assert server.post({"prompt": "The", "max_tokens": 2, "unknown_field": 1})[0] == 200  # ignored, as OpenAI does
+    # unknown paths and methods: OpenAI's shape and wording, not FastAPI's {"detail": "Not Found"}
+    status, body = server.post({"prompt": "The"}, path="/v1/complete")
+    assert status == 404 and body["error"]["message"].startswith("Invalid URL (POST /v1/complete)"), body
+    assert body["error"]["type"] == "invalid_request_error" and set(body["error"]) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.NotFoundError, match="Invalid URL"):
+        client.embeddings.create(model="tiny", input="The")
+    request = urllib.request.Request(server.url + "/v1/completions", method="GET")
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(request, timeout=30)
+    body = json.loads(answer.value.read())
+    assert answer.value.code == 405 and body["error"]["message"] == "Method not allowed (GET /v1/completions)", body
+    assert answer.value.headers["allow"] == "POST"
 
 
 def test_api_key_and_queue_limit(served_run):
@@ -318,6 +330,20 @@ def test_bad_serve_keys_get_one_line():
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     result = run_main("serve.py", "--max_batch=0")
     assert result.returncode == 2 and "max_batch=0 must be >= 1" in result.stderr
+
+
+def test_a_port_in_use_is_one_line_and_a_non_zero_exit(served_run):
+    """uvicorn's failed bind ended only its thread: serve.py said it served, then exited 0. Now it binds
+    first, before loading the model, and says why it cannot."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_main("serve.py", f"--out_dir={served_run}", f"--port={port}")
+    assert result.returncode == 2 and result.stderr == (
+        f"error: cannot listen on 127.0.0.1:{port}: the port is in use (another server?): stop it or give another --port\n")
+    result = run_main("serve.py", f"--out_dir={served_run}", "--host=no-such-host.invalid")
+    assert result.returncode == 2 and result.stderr.startswith("error: cannot listen on no-such-host.invalid:8000: unknown host")
 
 
 def test_no_other_script_imports_fastapi_and_none_imports_torch_dynamo():
