@@ -16,7 +16,7 @@ import os
 import numpy as np
 import torch
 
-from configurator import UserError
+from configurator import UserError, fail
 
 MAGIC = b"GPTTOKEN"
 VERSION = 1
@@ -677,9 +677,10 @@ def fetch_text(path, url, cache_path):
         raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
-def prepare_text(text, tokenizer, out_dir, val_fraction=0.1):
+def prepare_text(text, tokenizer, out_dir, val_fraction=0.1, source=None):
     """Splits text at the first (1 - val_fraction) of its characters (as nanoGPT does), tokenizes each
-    part and writes train.bin, val.bin and meta.json. Returns the token counts."""
+    part and writes train.bin, val.bin and meta.json (with source, the text's path, where given: a later
+    script that needs the same text finds it there). Returns the token counts."""
     if not text:
         raise DataError("the input text is empty")
     parts = split_text(text, val_fraction)
@@ -689,7 +690,7 @@ def prepare_text(text, tokenizer, out_dir, val_fraction=0.1):
         ids = tokenizer.encode(part)
         write_tokens(os.path.join(out_dir, f"{split}.bin"), np.array(ids, dtype=np.int64), tokenizer.vocab_size)
         counts[split] = len(ids)
-    write_meta(out_dir, tokenizer, counts)
+    write_meta(out_dir, tokenizer, counts, **({"source": source} if source else {}))
     if isinstance(tokenizer, BPETokenizer):  # for tools that read tokenizer.json (transformers, tokenizers)
         atomic_write(os.path.join(out_dir, "tokenizer.json"), lambda f: f.write(tokenizer.json.encode()))
     return counts
@@ -704,12 +705,13 @@ def prepare_corpus_main(description, url, here, make_tokenizer):
     parser.add_argument("--input", help="a local copy of the text (skips the download)")
     parser.add_argument("--out_dir", default=here, help="where train.bin, val.bin and meta.json go")
     args = parser.parse_args()
+    path = args.input or os.path.join(here, "input.txt")
     try:
-        text = fetch_text(args.input, url, os.path.join(here, "input.txt"))
+        text = fetch_text(args.input, url, path)
         tokenizer = make_tokenizer(text)
-        counts = prepare_text(text, tokenizer, args.out_dir)
+        counts = prepare_text(text, tokenizer, args.out_dir, source=os.path.abspath(path))
     except DataError as e:
-        sys.exit(f"error: {e}")
+        fail(e)
     print(summary(text, tokenizer, counts, args.out_dir))
 
 

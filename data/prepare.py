@@ -31,7 +31,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 from checkpoint import run_tokenizer  # noqa: E402
-from configurator import UserError  # noqa: E402
+from configurator import UserError, fail  # noqa: E402
 from dataset import (DataError, ChatTokenizer, check_messages, fetch_text, hub_offline, hub_reachable,  # noqa: E402
                      prepare_conversations, prepare_text, read_conversations, summary, tokenizer_for)
 
@@ -102,7 +102,7 @@ def main():
         tokenizer = tokenizer_for(args.tokenizer, text, args.val_fraction)
         counts = prepare_text(text, tokenizer, out_dir, args.val_fraction)
     except UserError as e:  # DataError, or a checkpoint's error for --tokenizer_from
-        sys.exit(f"error: {e}")
+        fail(e)
     print(f"{len(files)} file(s), {summary(text, tokenizer, counts, out_dir)}")
 
 

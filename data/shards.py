@@ -18,6 +18,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from configurator import UserError, fail  # noqa: E402
 from dataset import (DataError, TiktokenTokenizer, TokenFile, atomic_write, hub_offline, hub_reachable,  # noqa: E402
                      token_dtype, write_meta, write_tokens)
 
@@ -201,8 +202,8 @@ def main(description, name, hub_id, hub_config=None, hub_val_split=None, hub_rev
         if empty:
             raise DataError(f"the {' and '.join(empty)} split would be empty (train {counts['train']:,} tokens, val "
                             f"{counts['val']:,}); give more documents or other --val_docs / --val_files")
-    except DataError as e:
-        sys.exit(f"error: {e}")
+    except UserError as e:
+        fail(e)
     write_meta(args.out_dir, tokenizer, counts, complete=complete, source=origin)
     state = "complete" if complete else f"partial (--max_shards={args.max_shards}; run again without it to continue)"
     readme = (f"# {name}\n\nSource: {origin}\nTokenizer: tiktoken {args.encoding} (vocabulary {tokenizer.vocab_size}), "

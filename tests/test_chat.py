@@ -151,13 +151,13 @@ def test_bad_conversations_name_the_line_and_field(tmp_path, trained_run, line, 
     (tmp_path / "chats.jsonl").write_text(good + "\n" + line + "\n" + good + "\n")
     result = run_main("data/prepare.py", str(tmp_path / "chats.jsonl"), f"--out={tmp_path / 'out'}",
                       f"--tokenizer_from={trained_run}")
-    assert result.returncode == 1 and message in result.stderr.strip().splitlines()[-1], result.stderr
+    assert result.returncode == 2 and message in result.stderr.strip().splitlines()[-1], result.stderr
 
 
 def test_tokenizer_from_must_be_a_run(tmp_path):
     (tmp_path / "chats.jsonl").write_text(json.dumps(conversations(1)[0]) + "\n")
     result = run_main("data/prepare.py", str(tmp_path / "chats.jsonl"), f"--out={tmp_path / 'out'}", f"--tokenizer_from={tmp_path}")
-    assert result.returncode == 1 and "no ckpt.pt there" in result.stderr
+    assert result.returncode == 2 and "no ckpt.pt there" in result.stderr
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -367,6 +367,46 @@ def test_chat_tasks_are_right_by_construction_and_hold_out_their_val(tmp_path):
     assert {r["messages"][-1]["content"] for r in splits["val"] if r["task"] == "speaker"} <= {"KING", "QUEEN"}  # seen in train (no FOOL)
 
 
+def test_chat_tasks_find_the_quick_starts_text_offline(tmp_path, monkeypatch):
+    """After an offline Quick start (prepare.py --input=PATH: no input.txt beside it), the chat tasks' prepare
+    reads the text the Quick start's dataset records; with no such record it fails in one line (exit 2)
+    saying to pass --input, and never stops on a traceback."""
+    import importlib.util
+    import sys
+
+    (tmp_path / "play.txt").write_text(PLAY * 40)
+    quick = tmp_path / "shakespeare_char"
+    assert run_main("data/shakespeare_char/prepare.py", f"--input={tmp_path / 'play.txt'}", f"--out_dir={quick}").returncode == 0
+    assert json.loads((quick / "meta.json").read_text())["source"] == str(tmp_path / "play.txt")
+    spec = importlib.util.spec_from_file_location("chat_tasks", str(__import__("conftest").ROOT / "data/chat_tasks/prepare.py"))
+    tasks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tasks)
+    monkeypatch.setattr(tasks, "QUICK_START", str(quick))
+    monkeypatch.setattr(tasks, "HERE", str(tmp_path))  # where a download would land
+    monkeypatch.setattr(tasks, "URL", "http://127.0.0.1:9/input.txt")  # nothing listens there: "offline"
+    monkeypatch.setattr(sys, "argv", ["prepare.py", f"--out_dir={tmp_path / 'chats'}", "--train=20", "--val=5"])
+    tasks.main()
+    speakers = {json.loads(line)["messages"][-1]["content"] for line in (tmp_path / "chats" / "train.jsonl").open()
+                if json.loads(line)["task"] == "speaker"}
+    assert speakers <= {"KING", "QUEEN"} and speakers
+    (tmp_path / "play.txt").unlink()  # the recorded text is gone: a download is tried, and fails in one line
+    with pytest.raises(SystemExit) as exit:
+        tasks.main()
+    assert exit.value.code == 2
+
+
+@pytest.mark.parametrize("script, args", [
+    ("data/prepare.py", ["no-such-file.txt", "--out=x"]), ("data/shakespeare_char/prepare.py", ["--input=no-such-file.txt"]),
+    ("data/shakespeare/prepare.py", ["--input=no-such-file.txt"]), ("data/chat_tasks/prepare.py", ["--input=no-such-file.txt"]),
+    ("data/mqar/prepare.py", ["--pairs=0"]), ("data/fineweb/prepare.py", ["--data_files=no-such-file.txt", "--shard_size=0"]),
+])  # fmt: skip
+def test_every_prepare_script_exits_2_with_one_line_on_bad_input(tmp_path, script, args):
+    """As every other command line does (cli_main): 2 and one line, not sys.exit(message)'s 1."""
+    result = run_main(script, *args, f"--out_dir={tmp_path / 'out'}" if "--out=x" not in args else f"--out={tmp_path / 'x'}")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and result.stderr.startswith("error: "), result.stderr
+    assert not (tmp_path / "out" / "meta.json").exists()
+
+
 def test_conversations_from_a_hugging_face_dataset(tmp_path, trained_run):
     pytest.importorskip("datasets")
     folder = tmp_path / "hub_like"
@@ -380,7 +420,7 @@ def test_conversations_from_a_hugging_face_dataset(tmp_path, trained_run):
     assert run_main("data/prepare.py", str(from_file), f"--out={tmp_path / 'same'}", f"--tokenizer_from={trained_run}").returncode == 0
     assert (tmp_path / "out" / "train.bin").read_bytes() == (tmp_path / "same" / "train.bin").read_bytes()
     offline = run_main("data/prepare.py", "--hf_dataset=HuggingFaceH4/no_robots", f"--out={tmp_path / 'x'}")
-    assert offline.returncode == 1 and "cannot read HuggingFaceH4/no_robots from the Hugging Face Hub" in offline.stderr
+    assert offline.returncode == 2 and "cannot read HuggingFaceH4/no_robots from the Hugging Face Hub" in offline.stderr
 
 
 def test_the_interactive_chat_streams_clears_and_exits(sft_run, monkeypatch, capsys):

@@ -337,7 +337,7 @@ def test_mqar_sequences_recall_their_pairs_and_train_only_the_queried_values(tmp
         assert trained[:9] == [0] * 9 and trained[9::2] == [1] * 4 and sum(trained) == 4  # the queried values only
         assert {ids[i]: ids[i + 1] for i in range(8, 16, 2)} == pairs  # every key asked once, its value after it
     bad = run_main("data/mqar/prepare.py", "--pairs=9", "--keys=8", f"--out_dir={tmp_path / 'bad'}")
-    assert bad.returncode == 1 and "--pairs=9 must be in [1, min(--keys, --values) = 8]" in bad.stderr
+    assert bad.returncode == 2 and "--pairs=9 must be in [1, min(--keys, --values) = 8]" in bad.stderr
     run = tmp_path / "run"
     trained_run = run_main("train.py", *TINY_RUN, f"--dataset={out}", f"--out_dir={run}", "--max_iters=3", "--attn_pattern=N")
     assert trained_run.returncode == 0, trained_run.stderr

@@ -29,14 +29,28 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 from checkpoint import run_tokenizer  # noqa: E402
-from configurator import UserError  # noqa: E402
+from configurator import UserError, fail  # noqa: E402
 from dataset import fetch_text, prepare_conversations  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
-QUICK_START_TEXT = os.path.join(HERE, "..", "shakespeare_char", "input.txt")  # the Quick start downloaded it there
+QUICK_START = os.path.join(HERE, "..", "shakespeare_char")  # the Quick start's dataset: its text, or where it came from
 NUMBERS = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
            "seventeen eighteen").split()
 SYSTEM = "Answer in as few words as you can."
+
+
+def quick_start_text():
+    """The Quick start's Tiny Shakespeare, offline too: the copy its prepare downloaded, else the file its
+    --input named (recorded in the dataset's meta.json); None when neither is there."""
+    downloaded = os.path.join(QUICK_START, "input.txt")
+    if os.path.exists(downloaded):
+        return downloaded
+    try:
+        with open(os.path.join(QUICK_START, "meta.json")) as f:
+            source = json.load(f).get("source")
+    except (OSError, ValueError):
+        return None
+    return source if isinstance(source, str) and os.path.exists(source) else None
 
 
 def speeches(text):
@@ -99,7 +113,7 @@ def make_tasks(text, rng, n_train, n_val):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", help="Tiny Shakespeare's text (default: the Quick start's copy, else a download)")
+    parser.add_argument("--input", help="Tiny Shakespeare's text (default: the Quick start's, downloaded or its --input, else a download)")
     parser.add_argument("--tokenizer_from", help="the base run whose tokenizer the dataset uses (the Quick start's out_dir)")
     parser.add_argument("--out_dir", default=HERE, help="where train.jsonl, val.jsonl and the dataset go")
     parser.add_argument("--train", type=int, default=5000, help="training conversations")
@@ -107,8 +121,7 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     try:
-        path = args.input or (QUICK_START_TEXT if os.path.exists(QUICK_START_TEXT) else None)
-        text = fetch_text(path, URL, os.path.join(HERE, "input.txt"))
+        text = fetch_text(args.input or quick_start_text(), URL, os.path.join(HERE, "input.txt"))
         train, val = make_tasks(text, random.Random(args.seed), args.train, args.val)
         os.makedirs(args.out_dir, exist_ok=True)
         for name, conversations in (("train", train), ("val", val)):
@@ -121,7 +134,7 @@ def main():
             print(f"dataset: {stats['train']['trained_tokens']:,} trained tokens in train, longest conversation "
                   f"{max(s['longest'] for s in stats.values())} tokens -> {args.out_dir}")
     except UserError as e:  # DataError, or a checkpoint's error for --tokenizer_from
-        sys.exit(f"error: {e}")
+        fail(e)
 
 
 if __name__ == "__main__":

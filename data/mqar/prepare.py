@@ -22,6 +22,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
+from configurator import UserError, fail  # noqa: E402
 from dataset import CharTokenizer, DataError, write_masked  # noqa: E402
 
 FIRST = 0x100  # the alphabet's first code point: keys then values, clear of ASCII
@@ -59,8 +60,8 @@ def main():
         splits = {split: [sequence(rng, args.pairs, args.keys, args.values) for _ in range(n)]
                   for split, n in (("train", args.train), ("val", args.val))}
         stats = write_masked(args.out_dir, tokenizer, splits)
-    except DataError as e:
-        sys.exit(f"error: {e}")
+    except UserError as e:
+        fail(e)
     print(f"MQAR, {args.pairs} pairs of {args.keys} keys and {args.values} values: {stats['train']['conversations']:,} train "
           f"and {stats['val']['conversations']:,} val sequences of {4 * args.pairs} tokens -> {args.out_dir}")
 
