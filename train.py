@@ -162,6 +162,10 @@ def train(c, explicit, script=False, chosen=None):
                          f"{world.size}: batches continue exactly, dropout's random streams start afresh")
         if lock is not None and lock.took_over:
             logger.print(f"took over the lock of a run that ended without releasing it: {lock.took_over}")
+        if state.iter_num >= c.max_iters and state.evaluated_at == state.iter_num:
+            logger.print(f"nothing to do: {ckpt_path} is at iteration {state.iter_num}, evaluated, and max_iters="
+                         f"{c.max_iters}; a larger --max_iters trains on")
+            return {"iter": state.iter_num, "signal": None, "best_val_loss": state.best_val}
         logger.print(f"{run.raw_model.get_num_params():,} parameters | {run.device} {run.dtype} | {world.size} "
                      f"process(es) | {tokens_per_step(c):,} tokens per step | steps {state.iter_num} -> {c.max_iters}")
 

@@ -297,7 +297,7 @@ def test_compiled_run_saves_plain_keys(tmp_path, char_dataset, monkeypatch):
     assert not any("_orig_mod" in k for k in state["optimizer"]["state"])
 
 
-def test_resume_is_exact(tmp_path, char_dataset):
+def test_resume_is_exact(tmp_path, char_dataset, capsys):
     common = ["--dropout=0.1", "--max_iters=20", "--lr_decay_iters=20"]  # dropout: RNG state must resume too
     run(tmp_path / "straight", char_dataset, *common)
     run(tmp_path / "split", char_dataset, *common, "--max_iters=10")
@@ -309,6 +309,15 @@ def test_resume_is_exact(tmp_path, char_dataset):
     assert straight.keys() == split.keys() and all(torch.equal(straight[k], split[k]) for k in straight)
     evals = [r["iter"] for r in read_metrics(tmp_path / "split") if "val_loss" in r]
     assert evals == [0, 5, 10, 15, 20]  # no evaluation repeated at the resume point
+    # a finished run resumed again: says so, and changes nothing (it printed "steps 20 -> 20" and stopped)
+    files = {name: (tmp_path / "split" / name).read_bytes() for name in ("ckpt.pt", "metrics.jsonl")}
+    capsys.readouterr()
+    for max_iters in (20, 10):
+        assert run(tmp_path / "split", char_dataset, "--init_from=resume", f"--max_iters={max_iters}")["iter"] == 20
+        out = capsys.readouterr().out
+        assert (f"nothing to do: {tmp_path / 'split' / 'ckpt.pt'} is at iteration 20, evaluated, and max_iters={max_iters}; "
+                "a larger --max_iters trains on") in out and "steps 20 ->" not in out, out
+    assert files == {name: (tmp_path / "split" / name).read_bytes() for name in files}
 
 
 def test_resume_rejects_architecture_change(tmp_path, char_dataset, capsys):
