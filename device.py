@@ -11,8 +11,10 @@ instructions, and then a matmul timed once per process (a few milliseconds), bec
 SMALLGPT_BF16=1 treats bf16 as fast whatever this finds, SMALLGPT_BF16=0 as slow.
 """
 
+import math
 import os
 import platform
+import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -103,19 +105,40 @@ def cpu_facts():
     }
 
 
-def bf16_matmul_speedup(n=512, repeats=5):
-    """fp32 time / bf16 time of an n x n x n matmul, best of a few interleaved: a few milliseconds."""
+def bf16_matmul_speedup(n=512, rounds=9, min_seconds=0.003):
+    """fp32 time / bf16 time of an n x n x n matmul (about 0.1 s): paired_speedup's median over rounds,
+    after a warm-up call of each (oneDNN builds its kernels on the first). Each timing repeats its product
+    for about min_seconds, both dtypes alike: a short timing and a long one meet another process's load
+    unequally (the long one is preempted, the short one slips between), which skews their ratio."""
     g = torch.Generator().manual_seed(0)  # its own: the global RNG (dropout, resumed runs) must not move
     a = torch.randn(n, n, generator=g)
     b = torch.randn(n, n, generator=g)
-    pairs = {torch.float32: (a, b), torch.bfloat16: (a.bfloat16(), b.bfloat16())}
-    best = {dtype: float("inf") for dtype in pairs}
-    for _ in range(repeats):
-        for dtype, (x, y) in pairs.items():
+
+    def timer(x, y):
+        start = time.perf_counter()
+        x @ y  # (the warm-up, timed: how many repeats make min_seconds)
+        repeats = max(1, math.ceil(min_seconds / max(time.perf_counter() - start, 1e-9)))
+
+        def timed():
             start = time.perf_counter()
-            x @ y
-            best[dtype] = min(best[dtype], time.perf_counter() - start)
-    return best[torch.float32] / best[torch.bfloat16]
+            for _ in range(repeats):
+                x @ y
+            return (time.perf_counter() - start) / repeats
+        return timed
+
+    return paired_speedup(timer(a, b), timer(a.bfloat16(), b.bfloat16()), rounds)
+
+
+def paired_speedup(time_slow, time_fast, rounds):
+    """The median over rounds of time_slow() / time_fast(), the two timed back to back in each round
+    (A, B, A, B ...). The ratio of two separate bests moved with the other core's load (one CPU read
+    0.3x to 48.8x across runs), and so did the precision a run trained in; a paired round shares its load,
+    and the median needs most rounds disturbed, one side only, before it moves."""
+    ratios = []
+    for _ in range(rounds):
+        slow = time_slow()
+        ratios.append(slow / max(time_fast(), 1e-12))
+    return statistics.median(ratios)
 
 
 def decide_cpu(facts, speedup=None, override=None):
@@ -134,7 +157,7 @@ def decide_cpu(facts, speedup=None, override=None):
     if speedup is None:
         return False, f"bf16 matmul not measured ({seen})"
     fast = speedup >= MIN_SPEEDUP
-    return fast, f"a bf16 matmul ran {speedup:.1f}x fp32's speed ({seen})"
+    return fast, f"a bf16 matmul ran {speedup:.1f}x fp32's speed (median of paired rounds; {MIN_SPEEDUP}x chooses it) ({seen})"
 
 
 @lru_cache(maxsize=None)

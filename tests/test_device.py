@@ -81,8 +81,20 @@ def test_train_says_what_it_chose_first(tmp_path, char_dataset, monkeypatch):
 def test_measuring_leaves_the_global_rng_alone():
     """Training calls it after restoring a checkpoint's RNG state: moving it would break exact resume."""
     state = torch.get_rng_state()
-    assert device.bf16_matmul_speedup(n=64, repeats=1) > 0
+    assert device.bf16_matmul_speedup(n=64, rounds=1) > 0
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_the_speedup_is_the_median_of_paired_rounds_so_load_on_one_side_does_not_decide():
+    """A machine whose fp32 product takes 3 units and bf16 1 (3x), with the other core's load landing on
+    4 of 9 rounds, on either side: the figure stays 3x. The ratio of separate bests that the probe took
+    before reads 3 / 1 too only if one round of each side escaped the load; here fp32 is loaded in its
+    first 4 rounds and bf16 in its last 4, the pattern that read 0.3x to 48.8x on one CPU."""
+    fp32 = iter([30, 30, 30, 30, 3, 3, 3, 3, 3])
+    bf16 = iter([1, 1, 1, 1, 1, 10, 10, 10, 10])
+    assert device.paired_speedup(lambda: next(fp32), lambda: next(bf16), 9) == 3
+    fp32 = iter([30] * 5 + [3] * 4)  # loaded in most rounds: the median moves, to the loaded figure
+    assert device.paired_speedup(lambda: next(fp32), lambda: 1, 9) == 30
 
 
 # ---------------------------------------------------------------------------------------------------
