@@ -19,7 +19,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 TARGETS = {"qkv": "attn.qkv", "attn_proj": "attn.proj", "mlp_fc": "mlp.fc", "mlp_proj": "mlp.proj"}
-DEFAULT_TARGETS = "qkv"  # litgpt's default is q and v; ours are one matrix with k
+# every matrix of the blocks: QLoRA (Dettmers et al. 2023) found adapters on every linear layer needed to
+# match full fine-tuning, and on qkv alone (litgpt's q and v) the chat tasks learned almost nothing new
+# (docs/ablations.md, section 11)
+DEFAULT_TARGETS = "all"
 
 
 def parse_targets(text):

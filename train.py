@@ -45,7 +45,7 @@ class TrainConfig(ModelKeys):  # and every model key (model.ModelKeys)
     lora_rank: int = 0  # LoRA adapters of this rank on lora_targets, every other weight frozen; 0 = train every weight
     lora_alpha: float = 16.0  # the adapters' update is scaled by lora_alpha / lora_rank
     lora_dropout: float = 0.0  # dropout on the adapters' input
-    lora_targets: str = "qkv"  # the blocks' matrices that get adapters: a comma list of qkv, attn_proj, mlp_fc, mlp_proj, or all
+    lora_targets: str = lora.DEFAULT_TARGETS  # the blocks' matrices that get adapters: a comma list of qkv, attn_proj, mlp_fc, mlp_proj, or all
     # schedule, evaluation, checkpoints
     max_iters: int = 5000  # optimizer steps in the whole run
     eval_interval: int = 250  # evaluate (and checkpoint) every this many steps, and at the end

@@ -218,6 +218,12 @@ def test_a_lora_run_resumes_exactly(tmp_path, trained_run, chat_data):
     train.main([f"--out_dir={tmp_path / 'cut'}", "--init_from=resume", "--max_iters=6"])
     whole, cut = (read_metrics(str(tmp_path / d)) for d in ("whole", "cut"))
     assert [r["loss"] for r in whole if "loss" in r] == [r["loss"] for r in cut if "loss" in r]
+    # lora_targets' default: every matrix of the blocks (on qkv alone the chat tasks learned almost nothing)
+    from checkpoint import load_checkpoint
+
+    state = load_checkpoint(str(tmp_path / "whole" / "ckpt.pt"))
+    adapted = {".".join(k.split(".")[2:-1]) for k in state["model"] if k.endswith(".lora_a")}
+    assert adapted == {"attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"} and state["lora"]["targets"] == "all"
 
 
 def test_a_changed_base_is_refused(tmp_path, lora_run):
