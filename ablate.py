@@ -44,6 +44,7 @@ import re
 import shutil
 import statistics
 import sys
+import time
 from dataclasses import dataclass, fields, replace
 
 from checkpoint import CHECKPOINT, METRICS, ContextKeys, load_checkpoint, read_metrics, tokens_per_step
@@ -177,15 +178,20 @@ def run_one(c, explicit, out_dir, wandb, parent=None):
 
 
 def summarize(runs, root):
-    """Per variant: parameters, final and best val loss (mean, std over seeds), tokens/s, diverged."""
+    """Per variant: parameters, final and best val loss (mean, std over seeds), tokens/s, diverged, and how
+    many of its runs have finished (a run not yet trained, or cut short, counts in none of the figures)."""
     rows = {}
     for name, seed, c, _ in runs:
         out_dir = run_dir(root, name, seed)
+        row = rows.setdefault(name, {"final": [], "best": [], "bpb": [], "tps": [], "diverged": 0, "params": None,
+                                     "curves": [], "evals": [], "accuracy": [], "runs": 0, "of": 0})
+        row["of"] += 1
+        if not finished(c, out_dir):
+            continue
+        row["runs"] += 1
         records = read_metrics(out_dir)
         evals = [r for r in records if "val_loss" in r]
         steps = [r for r in records if "tokens_per_sec" in r]
-        row = rows.setdefault(name, {"final": [], "best": [], "bpb": [], "tps": [], "diverged": 0, "params": None,
-                                     "curves": [], "evals": [], "accuracy": []})
         if os.path.exists(os.path.join(out_dir, "diverged")):
             row["diverged"] += 1
         elif evals:
@@ -318,9 +324,15 @@ def write_results(rows, root, study, command, n_seeds, lengths=None):
              f"`{command}`: {n_seeds} seed(s) per variant; val loss as mean ± std over seeds"
              + ("; accuracy: the argmax on the trained (queried) tokens of the whole val split (eval.py)" if accuracy else "")
              + ".", "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    missing = sum(row["of"] - row["runs"] for row in rows.values())
+    if missing:  # written after each run: a study cut short still has its table, with what is missing
+        lines[2:2] = [f"**Partial: {missing} of {sum(row['of'] for row in rows.values())} runs not finished yet** (their "
+                      "variants are marked; the same command continues the study).", ""]
     for name, row in rows.items():
         tps = f"{statistics.mean(row['tps']):,.0f}" if row["tps"] else "-"
         diverged = f"yes ({row['diverged']}/{n_seeds})" if row["diverged"] else "no"
+        if row["runs"] < row["of"]:
+            name = f"{name} ({row['runs']} of {row['of']} runs finished)" if row["runs"] else f"{name} (not run yet)"
         params = f"{row['params']:,}" if row["params"] else "-"
         lines.append(f"| {name} | {params} | {mean_std(row['final'])} | {mean_std(row['best'])} | {mean_std(row['bpb'])} "
                      + (f"| {mean_std(row['accuracy'])} " if accuracy else "") + f"| {tps} | {diverged} |")
@@ -447,29 +459,57 @@ def run_study(argv):
     shrunk = (["--quick=True"] if c.quick else []) + keys
     root = c.out_dir or os.path.join("out-ablations", name + suffix)
     study["title"] = study.get("title", name) + (f" [shrunk: {' '.join(shrunk)}; figures not the study's]" if shrunk else "")
+    command = " ".join(["python ablate.py", path, *shrunk])
+    spent, done_work = 0.0, 0  # this invocation's training: seconds over tokens, for the time left
+    todo = [not finished(values, run_dir(root, variant, seed)) for variant, seed, values, _ in runs]
     for i, (variant, seed, values, explicit) in enumerate(runs):
         where = f"[{i + 1}/{len(runs)}] {variant} seed {seed}"
         folder = run_dir(root, variant, seed)
-        if finished(values, folder):
+        if not todo[i]:
             print(f"{where}: finished earlier ({folder})", flush=True)
             continue
         wandb = {"wandb_log": True, "wandb_project": c.wandb_project,
                  "wandb_run_name": f"{name + suffix}/{slug(variant)}/seed{seed}"} if c.wandb_log else {}
-        print(where, flush=True)
+        left = sum(work(r) for r, pending in zip(runs[i:], todo[i:]) if pending)
+        print(where + (f" (about {duration(spent / done_work * left)} left for the study's {sum(todo[i:])} runs to "
+                       "go, from the runs so far)" if done_work else ""), flush=True)
         parent = study.get("continue_from", {}).get(variant)
+        started = time.perf_counter()
         try:
             status = run_one(values, explicit, folder, wandb, parent and run_dir(root, parent, seed))
         except UserError as e:
             raise ConfigError(f"variant {variant!r} seed {seed}: {e}") from None
+        spent, done_work = spent + time.perf_counter() - started, done_work + work(runs[i])
         print(f"{where}: {status}", flush=True)
+        if i + 1 < len(runs):  # the table so far: a study stopped here still has one
+            report(runs, root, study, command, final=False)
+    print(report(runs, root, study, command, final=True))
+    written = [os.path.join(root, name) for name in ("results.md", "loss_curves.png", "lengths.png", "axis.png")]
+    print("wrote " + ", ".join(path for path in written if os.path.exists(path)), flush=True)
+
+
+def work(run):
+    """A run's training tokens: what its time is reckoned by."""
+    return run[2].max_iters * tokens_per_step(run[2])
+
+
+def duration(seconds):
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
+
+
+def report(runs, root, study, command, final):
+    """Writes results.md and the plots from the runs finished so far; returns the table's text. The final
+    report also scores every model at the study's eval_lengths (minutes of evaluation: once, at the end)."""
     rows = summarize(runs, root)
-    lengths = length_rows(runs, root, study) if study.get("eval_lengths") else None
-    command = " ".join(["python ablate.py", path, *shrunk])
-    print(write_results(rows, root, study, command, len(study["seeds"]), lengths))
-    written = [os.path.join(root, "results.md"), plot(rows, root, study["title"]),
-               plot_lengths(lengths, root, study["title"]) if lengths else None,
-               plot_axis(rows, root, study) if study.get("axis") else None]
-    print("wrote " + ", ".join(path for path in written if path), flush=True)
+    scored = length_rows(runs, root, study) if final and study.get("eval_lengths") else None
+    text = write_results(rows, root, study, command, len(study["seeds"]), scored)
+    if final or pyplot() is not None:  # (the final one says once if matplotlib is missing)
+        plot(rows, root, study["title"])
+    if scored:
+        plot_lengths(scored, root, study["title"])
+    if study.get("axis"):
+        plot_axis(rows, root, study)
+    return text
 
 
 if __name__ == "__main__":

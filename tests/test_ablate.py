@@ -151,6 +151,37 @@ def test_a_signal_stops_the_whole_study(tmp_path, char_dataset, monkeypatch, cap
     assert "run the same command again to continue" in capsys.readouterr().out
 
 
+def test_a_study_stopped_part_way_has_its_table_so_far(tmp_path, char_dataset, monkeypatch, capsys):
+    """results.md (and the curves) after each finished run, the missing runs marked; the time left is
+    printed from the runs so far. Stopped after 2 of 4 runs (learned's two seeds), by SIGTERM in the third."""
+    import signal
+
+    import train
+
+    real, calls = train.train, []
+
+    def third_is_stopped(c, explicit):
+        calls.append(c.seed)
+        if len(calls) == 3:
+            return {"iter": 1, "signal": int(signal.SIGTERM), "best_val_loss": 4.0}
+        return real(c, explicit)
+
+    monkeypatch.setattr(train, "train", third_is_stopped)
+    with pytest.raises(SystemExit):
+        ablate.main([write_study(tmp_path, char_dataset), f"--out_dir={tmp_path / 'out'}"])
+    out = capsys.readouterr().out
+    assert "[1/4] learned seed 1\n" in out and "[2/4] learned seed 2 (about " in out and " left for the study's 3 runs to go" in out
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "**Partial: 2 of 4 runs not finished yet**" in table
+    learned = next(line for line in table.splitlines() if line.startswith("| learned |"))
+    assert learned.count("±") == 3  # both seeds in its figures
+    assert "| rope (not run yet) | - | - | - |" in table
+    monkeypatch.setattr(train, "train", real)
+    ablate.main([write_study(tmp_path, char_dataset), f"--out_dir={tmp_path / 'out'}"])  # continues: rope's two
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "Partial" not in table and "| rope |" in table
+
+
 LENGTH_STUDY = """
 base = dict(dataset={dataset!r}, n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=4, max_iters=4,
             warmup_iters=1, learning_rate=3e-3, eval_interval=4, eval_iters=2, log_interval=2, dtype="float32",
