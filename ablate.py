@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass, fields, replace
 
 from checkpoint import CHECKPOINT, METRICS, ContextKeys, load_checkpoint, read_metrics, tokens_per_step
-from configurator import ConfigError, UserError, checked, cli_main, keys_of, parse, parse_config, parse_dict, read_config_file
+from configurator import ConfigError, UserError, checked, cli_main, clock_time, keys_of, parse, parse_config, parse_dict, read_config_file
 from dataset import is_masked_dataset, read_meta, resolve_dataset
 from model import GPT, GPTConfig, model_config
 from plot import line_style, pyplot, save, title as figure_title
@@ -471,7 +471,7 @@ def run_study(argv):
         wandb = {"wandb_log": True, "wandb_project": c.wandb_project,
                  "wandb_run_name": f"{name + suffix}/{slug(variant)}/seed{seed}"} if c.wandb_log else {}
         left = sum(work(r) for r, pending in zip(runs[i:], todo[i:]) if pending)
-        print(where + (f" (about {duration(spent / done_work * left)} left for the study's {sum(todo[i:])} runs to "
+        print(where + (f" (about {clock_time(spent / done_work * left)} left for the study's {sum(todo[i:])} runs to "
                        "go, from the runs so far)" if done_work else ""), flush=True)
         parent = study.get("continue_from", {}).get(variant)
         started = time.perf_counter()
@@ -491,10 +491,6 @@ def run_study(argv):
 def work(run):
     """A run's training tokens: what its time is reckoned by."""
     return run[2].max_iters * tokens_per_step(run[2])
-
-
-def duration(seconds):
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
 def report(runs, root, study, command, final):

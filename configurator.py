@@ -237,3 +237,56 @@ def fail(message):
         with open(error_file, "w") as f:
             json.dump({"message": f"error: {message}", "timestamp": int(time.time())}, f)
     sys.exit(2)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Progress of a long command's loop
+
+
+PROGRESS_SECONDS = 15.0  # a plain progress line at most this often (tests set 0: every update)
+
+
+class Progress:
+    """How far a long loop has come, on stderr, as train.py shows its steps: a tqdm bar on a terminal, else
+    (a log, a pipe) a plain line at most every PROGRESS_SECONDS with the count, the rate and the time
+    left, so a reader can tell a slow run from a hung one. A loop that ends sooner prints nothing.
+    Use as a context manager; update(n) after each n units of work."""
+
+    def __init__(self, total, unit, what=""):
+        import time
+
+        self.total, self.unit, self.what, self.done = total, unit, what, 0
+        self.clock = time.perf_counter
+        self.start = self.last = self.clock()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit=f" {unit}", desc=what or None, dynamic_ncols=True, leave=False)
+
+    def update(self, n=1):
+        self.done += n
+        if self.bar is not None:
+            self.bar.update(n)
+            return
+        now = self.clock()
+        if now - self.last >= PROGRESS_SECONDS and self.done < self.total:
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            left = (self.total - self.done) / rate if rate > 0 else float("inf")
+            print(f"{self.what + ': ' if self.what else ''}{self.done:,} of {self.total:,} {self.unit}, "
+                  f"{rate:,.1f}/s, about {clock_time(left)} left", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def clock_time(seconds):
+    """A duration for a person: 40 s, 12 min, 3.5 h."""
+    if seconds == float("inf"):
+        return "an unknown time"
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"

@@ -12,11 +12,12 @@ import glob
 import json
 import mmap
 import os
+import re
 
 import numpy as np
 import torch
 
-from configurator import UserError, fail
+from configurator import Progress, UserError, fail
 
 MAGIC = b"GPTTOKEN"
 VERSION = 1
@@ -687,13 +688,40 @@ def prepare_text(text, tokenizer, out_dir, val_fraction=0.1, source=None):
     os.makedirs(out_dir, exist_ok=True)
     counts = {}
     for split, part in zip(("train", "val"), parts):
-        ids = tokenizer.encode(part)
+        ids = encode_in_pieces(tokenizer, part, f"tokenizing {split}")
         write_tokens(os.path.join(out_dir, f"{split}.bin"), np.array(ids, dtype=np.int64), tokenizer.vocab_size)
         counts[split] = len(ids)
     write_meta(out_dir, tokenizer, counts, **({"source": source} if source else {}))
     if isinstance(tokenizer, BPETokenizer):  # for tools that read tokenizer.json (transformers, tokenizers)
         atomic_write(os.path.join(out_dir, "tokenizer.json"), lambda f: f.write(tokenizer.json.encode()))
     return counts
+
+
+PIECE_CHARS = 4_000_000  # encode_in_pieces' piece: about a second of tokenizing, so its progress moves
+LINE_START = re.compile(r"\n(?=[^\W_])")  # a line end before a letter or digit: where a piece may end
+
+
+def encode_in_pieces(tokenizer, text, what):
+    """tokenizer.encode(text), in pieces of about PIECE_CHARS cut after a line end that a letter or digit
+    follows, with a Progress between them (a large corpus takes minutes). The ids are the same: the
+    characters' encoding is per character, and a byte-level BPE's merges (GPT-2's regex, ours; tiktoken's
+    cl100k and o200k) never cross such a point, where their pre-tokenizers always start a new piece (a
+    punctuation run's piece can take the line ends after it, and o200k's a '/', never a letter)."""
+    if len(text) <= PIECE_CHARS or not isinstance(tokenizer, (CharTokenizer, TiktokenTokenizer, BPETokenizer)):
+        return tokenizer.encode(text)
+    cuts = [0]
+    while cuts[-1] + PIECE_CHARS < len(text):
+        found = LINE_START.search(text, cuts[-1] + PIECE_CHARS)
+        if found is None:
+            break
+        cuts.append(found.end())
+    cuts.append(len(text))
+    ids = []
+    with Progress(len(text), "characters", what) as progress:
+        for start, end in zip(cuts, cuts[1:]):
+            ids += tokenizer.encode(text[start:end])
+            progress.update(end - start)
+    return ids
 
 
 def prepare_corpus_main(description, url, here, make_tokenizer):

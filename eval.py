@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from checkpoint import ContextKeys, load_for
 import generate
-from configurator import ConfigError, checked, cli_main, keys_of, parse_config
+from configurator import ConfigError, Progress, checked, cli_main, keys_of, parse_config
 from dataset import (ChatTokenizer, ConversationSampler, DataError, describe_meta, hub_offline, hub_reachable, is_masked_dataset,
                      continuation, open_split, read_meta, read_records, resolve_dataset, write_json)
 from device import COMPUTE_DTYPES, DEVICES, autocast, pick_device, pick_dtype
@@ -106,21 +106,27 @@ def score(model, tokens, stride, batch_size, device, context):
     block_size = model.config.block_size
     spans = windows(len(tokens), block_size, stride)
     nats_all = torch.empty(len(tokens) - 1, dtype=torch.float64)  # target j is tokens[j + 1]
-    for i in range(0, len(spans), batch_size):
-        group = spans[i : i + batch_size]
-        by_length = {}  # the last window can be shorter: one forward pass per length
-        for span in group:
-            by_length.setdefault(span[1] - span[0], []).append(span)
-        for length, same in by_length.items():
-            x = torch.stack([tokens[b:e] for b, e, _ in same]).to(device)
-            y = torch.stack([tokens[b + 1 : e + 1] for b, e, _ in same]).to(device)
-            with context:
-                logits, _ = model(x)
-            nats = token_nats(logits, y).cpu()
-            for row, (_, end, n) in enumerate(same):  # this window scores targets end - n .. end - 1
-                nats_all[end - n : end] = nats[row, length - n :]
+    with Progress(len(spans), "windows", "scoring") as progress:
+        for i in range(0, len(spans), batch_size):
+            score_windows(model, tokens, spans[i : i + batch_size], nats_all, context, device)
+            progress.update(len(spans[i : i + batch_size]))
     scored = spans[-1][1]  # every target up to the last window's end, each once
     return nats_all[:scored], tokens[1 : scored + 1]
+
+
+def score_windows(model, tokens, group, nats_all, context, device):
+    """One batch of windows: each window's scored targets' losses into nats_all."""
+    by_length = {}  # the last window can be shorter: one forward pass per length
+    for span in group:
+        by_length.setdefault(span[1] - span[0], []).append(span)
+    for length, same in by_length.items():
+        x = torch.stack([tokens[b:e] for b, e, _ in same]).to(device)
+        y = torch.stack([tokens[b + 1 : e + 1] for b, e, _ in same]).to(device)
+        with context:
+            logits, _ = model(x)
+        nats = token_nats(logits, y).cpu()
+        for row, (_, end, n) in enumerate(same):  # this window scores targets end - n .. end - 1
+            nats_all[end - n : end] = nats[row, length - n :]
 
 
 def load_tokens(c, tokenizer, meta):
@@ -150,15 +156,17 @@ def score_conversations(model, conversations, device, context):
     tokens, as train.py sees it)."""
     nats, targets, right = [], [], 0
     block_size = model.config.block_size
-    for start, length in conversations.convs:
-        length = min(length, block_size + 1)
-        ids = torch.from_numpy(conversations.tokens.window(start, length))
-        trained = torch.from_numpy(conversations.mask.window(start, length))[1:].bool()
-        with context:
-            logits, _ = model(ids[None, :-1].to(device))
-        nats.append(token_nats(logits, ids[None, 1:].to(device))[0].cpu()[trained])
-        targets.append(ids[1:][trained])
-        right += int((logits[0].argmax(-1).cpu()[trained] == targets[-1]).sum())
+    with Progress(len(conversations.convs), "sequences", "scoring") as progress:
+        for start, length in conversations.convs:
+            length = min(length, block_size + 1)
+            ids = torch.from_numpy(conversations.tokens.window(start, length))
+            trained = torch.from_numpy(conversations.mask.window(start, length))[1:].bool()
+            with context:
+                logits, _ = model(ids[None, :-1].to(device))
+            nats.append(token_nats(logits, ids[None, 1:].to(device))[0].cpu()[trained])
+            targets.append(ids[1:][trained])
+            right += int((logits[0].argmax(-1).cpu()[trained] == targets[-1]).sum())
+            progress.update()
     return torch.cat(nats), torch.cat(targets), right
 
 
@@ -277,27 +285,34 @@ def answer_chats(c):
     model, tokenizer, _ = load_for(c)
     device = pick_device(c.device)
     model = for_inference(model.to(device), "float32")
-    limit = model.config.context_limit
     rows, tasks = [], {}
-    for task, messages in conversations:
-        shots = [m for shot in examples.get(task, [])[: c.chats_fewshot] for m in shot[-2:]]  # its last exchange
-        prompt = chat_prompt(tokenizer, shots + messages[:-1])
-        if limit is not None and len(prompt) > limit:
-            raise DataError(f"a conversation of task {task!r} needs {len(prompt)} prompt tokens, more than the model's "
-                            f"context of {limit}: no room for a reply; lower chats_fewshot or raise block_size")
-        room = c.max_new_tokens if limit is None else min(c.max_new_tokens, limit + 1 - len(prompt))  # as chat.py's
-        eos = tokenizer.end_token if isinstance(tokenizer, ChatTokenizer) else None
-        out = generate.generate(model, torch.tensor([prompt], device=device), room, Sampling(temperature=0), eos)
-        reply = reply_of(tokenizer, prompt, out[0, len(prompt) :].tolist())
-        right = reply.strip() == messages[-1]["content"].strip()
-        rows.append({"task": task, "reply": reply, "reference": messages[-1]["content"], "exact": right})
-        tasks.setdefault(task, []).append(right)
+    with Progress(len(conversations), "conversations", "answering") as progress:
+        for task, messages in conversations:
+            shots = [m for shot in examples.get(task, [])[: c.chats_fewshot] for m in shot[-2:]]  # its last exchange
+            reply = greedy_reply(model, tokenizer, shots + messages[:-1], c.max_new_tokens, device, task)
+            right = reply.strip() == messages[-1]["content"].strip()
+            rows.append({"task": task, "reply": reply, "reference": messages[-1]["content"], "exact": right})
+            tasks.setdefault(task, []).append(right)
+            progress.update()
     table = ["| task | conversations | exact match |", "| --- | --- | --- |"]
     table += [f"| {t} | {len(v)} | {sum(v) / len(v):.3f} |" for t, v in tasks.items()]
     overall = sum(r["exact"] for r in rows) / len(rows)
     table.append(f"| **all** | {len(rows)} | **{overall:.3f}** |")
     return {"source": c.chats, "fewshot": c.chats_fewshot, "exact_match": overall,
             "by_task": {t: sum(v) / len(v) for t, v in tasks.items()}, "table": "\n".join(table), "replies": rows}
+
+
+def greedy_reply(model, tokenizer, messages, max_new_tokens, device, task):
+    """The model's greedy reply to messages (its last turn the user's), as chat.py gives it."""
+    prompt = chat_prompt(tokenizer, messages)
+    limit = model.config.context_limit
+    if limit is not None and len(prompt) > limit:
+        raise DataError(f"a conversation of task {task!r} needs {len(prompt)} prompt tokens, more than the model's "
+                        f"context of {limit}: no room for a reply; lower chats_fewshot or raise block_size")
+    room = max_new_tokens if limit is None else min(max_new_tokens, limit + 1 - len(prompt))  # as chat.py's
+    eos = tokenizer.end_token if isinstance(tokenizer, ChatTokenizer) else None
+    out = generate.generate(model, torch.tensor([prompt], device=device), room, Sampling(temperature=0), eos)
+    return reply_of(tokenizer, prompt, out[0, len(prompt) :].tolist())
 
 
 def main(argv=None):

@@ -281,7 +281,7 @@ def test_eval_scores_a_chat_split_on_its_trained_tokens(sft_run, chat_data):
     assert f"{n:,} tokens" in result.stdout and f"loss {total / n:.4f}" in result.stdout, result.stdout
 
 
-def test_eval_chats_gives_exact_match_per_task(tmp_path, sft_run):
+def test_eval_chats_gives_exact_match_per_task(tmp_path, sft_run, monkeypatch):
     from chat import Conversation
     from checkpoint import load_any
     from generate import Sampling
@@ -296,10 +296,14 @@ def test_eval_chats_gives_exact_match_per_task(tmp_path, sft_run):
         records.append({"task": "even" if i % 2 == 0 else "odd",
                         "messages": [{"role": "user", "content": word}, {"role": "assistant", "content": answer}]})
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.setattr(__import__("configurator"), "PROGRESS_SECONDS", 0.0)  # a line at every conversation
     result = run_main("eval.py", f"--out_dir={sft_run}", f"--chats={tmp_path / 'chats.jsonl'}", "--max_new_tokens=8",
                       "--device=cpu", f"--json={tmp_path / 'out.json'}")
     assert result.returncode == 0, result.stderr
     assert "| even | 2 | 1.000 |" in result.stdout and "| odd | 2 | 0.000 |" in result.stdout and "**0.500**" in result.stdout
+    progress = [line for line in result.stderr.splitlines() if line.startswith("answering: ")]  # a log's progress
+    assert [line.split(",")[0] for line in progress] == [f"answering: {i} of 4 conversations" for i in (1, 2, 3)]
+    assert all(line.endswith(" left") for line in progress), progress
     (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")
     bad = run_main("eval.py", f"--out_dir={sft_run}", f"--chats={tmp_path / 'bad.jsonl'}", "--device=cpu")
     assert bad.returncode == 2 and "the last message must be the assistant's reference answer" in one_error_line(bad)

@@ -354,3 +354,31 @@ def test_mqar_sequences_recall_their_pairs_and_train_only_the_queried_values(tmp
             right += int((model(ids[None, :-1])[0][0].argmax(-1)[keep] == ids[1:][keep]).sum())
             n += int(keep.sum())
     assert n == 80 and f"accuracy {right / n:.4f}" in scored.stdout, scored.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# Progress of a large corpus's preparation
+
+
+TRICKY = ("The king's men,  said: \"no!\"\n\nIt's 12,345.67 -- ünïcödé\r\nEmoji 🙂 and\ttabs\n   \n"
+          "  indented line\n.\n/path/to\n.\nWord 1999 and 'quoted'\n\n\n42 is a number\n")
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe:300", "gpt2", "cl100k_base", "o200k_base"])
+def test_a_corpus_encoded_in_pieces_has_the_ids_of_one_piece_and_shows_progress(kind, monkeypatch, capsys):
+    """prepare_text encodes a large text in pieces, with progress lines between them (a log's), cut where
+    every tokenizer we write data with starts a new piece anyway: the ids equal the whole text's."""
+    import configurator
+    import dataset
+
+    text = TRICKY * 60
+    try:
+        tokenizer = dataset.tokenizer_for(kind, text, 0.1)
+    except DataError as e:  # tiktoken's files unavailable (no cache, no network)
+        pytest.skip(str(e))
+    monkeypatch.setattr(dataset, "PIECE_CHARS", 50)
+    monkeypatch.setattr(configurator, "PROGRESS_SECONDS", 0.0)
+    assert dataset.encode_in_pieces(tokenizer, text, "tokenizing train") == tokenizer.encode(text)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) > 20 and lines[0].startswith("tokenizing train: ") and f" of {len(text):,} characters, " in lines[0]
+    assert lines[0].endswith(" left")

@@ -62,7 +62,8 @@ def test_loss_and_bytes_match_a_hand_computation(trained_run, text_file):
     assert r["bits_per_byte"] == pytest.approx(r["loss"] / math.log(2) * r["tokens"] / r["bytes"], rel=1e-12)
 
 
-def test_with_a_stride_each_token_is_the_last_position_of_its_own_window(trained_run, text_file):
+def test_with_a_stride_each_token_is_the_last_position_of_its_own_window(trained_run, text_file, monkeypatch, capsys):
+    monkeypatch.setattr(__import__("configurator"), "PROGRESS_SECONDS", 0.0)
     model, state = load_model(trained_run)
     from dataset import tokenizer_from_meta
 
@@ -70,8 +71,11 @@ def test_with_a_stride_each_token_is_the_last_position_of_its_own_window(trained
     B, stride = model.config.block_size, 5
     losses, targets = evaluation.score(model.eval(), ids, stride, 4, "cpu", torch.autocast("cpu", enabled=False))
     assert targets.tolist() == ids[1:].tolist()
+    spans = evaluation.windows(len(ids), B, stride)  # a line per batch of 4 windows but the last (a log's progress)
+    assert [line.split(",")[0] for line in capsys.readouterr().err.splitlines()] == [
+        f"scoring: {i} of {len(spans)} windows" for i in range(4, len(spans), 4)]
     with torch.no_grad():
-        for begin, end, n in evaluation.windows(len(ids), B, stride):
+        for begin, end, n in spans:
             for t in range(end - n + 1, end + 1):  # target index t, predicted from tokens begin..t-1
                 window = ids[begin:t]
                 assert len(window) >= min(B - stride, t)  # context it is promised
