@@ -154,7 +154,12 @@ def run_one(c, explicit, out_dir, wandb, parent=None):
     checkpoint, a run directory, where given); returns 'done' or 'diverged'."""
     ckpt_path = os.path.join(out_dir, CHECKPOINT)
     marker = os.path.join(out_dir, "diverged")
-    if os.path.exists(marker) or (parent and os.path.exists(os.path.join(parent, "diverged"))):
+    if os.path.exists(marker):
+        return "diverged"
+    if parent and os.path.exists(os.path.join(parent, "diverged")):  # marked too: it is finished, and counts
+        os.makedirs(out_dir, exist_ok=True)
+        with open(marker, "w") as f:
+            f.write(f"not run: the run it continues from diverged ({parent})\n")
         return "diverged"
     if parent and not os.path.exists(ckpt_path):  # the fine-tune starts where the parent ended
         os.makedirs(out_dir, exist_ok=True)
@@ -208,7 +213,7 @@ def summarize(runs, root):
         row["evals"].append(evals)
         ckpt = os.path.join(out_dir, CHECKPOINT)
         if row["params"] is None and os.path.exists(ckpt):
-            row["params"] = GPT(GPTConfig(**load_checkpoint(ckpt)["model_config"])).get_num_params()
+            row["params"] = GPT(GPTConfig(**load_checkpoint(ckpt, mmap=True)["model_config"])).get_num_params()
     return rows
 
 

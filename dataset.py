@@ -698,15 +698,18 @@ def prepare_text(text, tokenizer, out_dir, val_fraction=0.1, source=None):
 
 
 PIECE_CHARS = 4_000_000  # encode_in_pieces' piece: about a second of tokenizing, so its progress moves
-LINE_START = re.compile(r"\n(?=[^\W_])")  # a line end before a letter or digit: where a piece may end
+# where a piece may end: after a line end that follows a non-space character and precedes a letter or
+# digit. Every pre-tokenizer we write data with starts a piece at such a letter and takes a lone line end (or
+# punctuation and its line ends) as the piece before it; a longer whitespace run is not cut ("a\n\nB" is
+# 64 198 198 33 in GPT-2's regex as a whole, 64 628 33 cut before B).
+LINE_START = re.compile(r"(?<=\S)\n(?=[^\W_])")
 
 
 def encode_in_pieces(tokenizer, text, what):
-    """tokenizer.encode(text), in pieces of about PIECE_CHARS cut after a line end that a letter or digit
-    follows, with a Progress between them (a large corpus takes minutes). The ids are the same: the
-    characters' encoding is per character, and a byte-level BPE's merges (GPT-2's regex, ours; tiktoken's
-    cl100k and o200k) never cross such a point, where their pre-tokenizers always start a new piece (a
-    punctuation run's piece can take the line ends after it, and o200k's a '/', never a letter)."""
+    """tokenizer.encode(text), in pieces of about PIECE_CHARS cut at LINE_START, with a Progress between
+    them (a large corpus takes minutes). The ids are the same: the characters' encoding is per character,
+    and a byte-level BPE's merges (GPT-2's regex, ours; tiktoken's cl100k and o200k) stay within the pieces
+    their pre-tokenizers make, which always end at such a point."""
     if len(text) <= PIECE_CHARS or not isinstance(tokenizer, (CharTokenizer, TiktokenTokenizer, BPETokenizer)):
         return tokenizer.encode(text)
     cuts = [0]
@@ -738,7 +741,7 @@ def prepare_corpus_main(description, url, here, make_tokenizer):
         text = fetch_text(args.input, url, path)
         tokenizer = make_tokenizer(text)
         counts = prepare_text(text, tokenizer, args.out_dir, source=os.path.abspath(path))
-    except DataError as e:
+    except UserError as e:
         fail(e)
     print(summary(text, tokenizer, counts, args.out_dir))
 

@@ -115,8 +115,9 @@ def bf16_matmul_speedup(n=512, rounds=9, min_seconds=0.003):
     b = torch.randn(n, n, generator=g)
 
     def timer(x, y):
+        x @ y  # the warm-up (oneDNN's kernels built), then one timed: how many repeats make min_seconds
         start = time.perf_counter()
-        x @ y  # (the warm-up, timed: how many repeats make min_seconds)
+        x @ y
         repeats = max(1, math.ceil(min_seconds / max(time.perf_counter() - start, 1e-9)))
 
         def timed():

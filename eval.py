@@ -274,7 +274,9 @@ def reply_of(tokenizer, prompt, ids):
 
 
 def answer_chats(c):
-    """Exact match of the greedy replies to --chats' conversations, per task and overall."""
+    """Exact match of the greedy replies to --chats' conversations, per task and overall. One conversation
+    at a time, as chat.py answers it: a batch's products may round otherwise than a single row's, and a
+    near-tie in the argmax would then make the score depend on which conversations share a batch."""
     if c.chats_fewshot < 0 or (c.chats_fewshot and not c.chats_examples):
         raise ConfigError("chats_fewshot=K needs K >= 0 and, above 0, chats_examples=FILE to take the examples from")
     checked(check_max_new_tokens, c.max_new_tokens)

@@ -815,7 +815,8 @@ def serve(c):
     try:
         serve_on(listening, c)
     finally:
-        listening.close()
+        for sock in listening:
+            sock.close()
 
 
 def serve_on(listening, c):
@@ -832,15 +833,15 @@ def serve_on(listening, c):
         print(f"batches: {len(packed)} weights also packed for oneDNN over {c.max_batch} rows, measured faster than F.linear "
               f"(+{sum(t.numel() * t.element_size() for t in packed) / 2**20:.0f} MB; {BATCH_OVERRIDE}=linear keeps one copy)",
               file=sys.stderr)
-    port = listening.getsockname()[1]  # (--port=0: the one the system chose)
-    print(f"serving {name} on http://{c.host}:{port} (max_batch={c.max_batch}, max_queue={c.max_queue})",
+    port = listening[0].getsockname()[1]  # (--port=0: the one the system chose)
+    print(f"serving {name} on {url_of(c.host, port)} (max_batch={c.max_batch}, max_queue={c.max_queue})",
           file=sys.stderr)
     # The engine runs in the main thread, the HTTP server in another: once the main thread has run a
     # parallel region (loading the model does), torch's CPU kernels called from any other thread run
     # several times slower (OpenMP: a layer norm of 32 rows 8 us in the main thread, 75-85 us in another),
     # which halved the decode speed of an engine in a thread of its own.
     server = uvicorn.Server(uvicorn.Config(app, host=c.host, port=c.port, log_level="warning"))
-    http = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True, name="http")
+    http = threading.Thread(target=server.run, kwargs={"sockets": listening}, daemon=True, name="http")
     signal.signal(signal.SIGTERM, stop_serving)
     http.start()
     try:
@@ -854,24 +855,39 @@ def serve_on(listening, c):
 
 
 def listen_on(host, port):
-    """The server's socket, bound here (as uvicorn binds it) before anything else: uvicorn's own bind
-    failing only ends the HTTP thread, and the process went on, exiting 0 after saying it served."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    """The server's listening sockets, one per address host resolves to (localhost: 127.0.0.1 and ::1, as
+    asyncio's create_server binds them), made here before anything else: uvicorn's own bind failing only
+    ended the HTTP thread, and the process went on, exiting 0 after saying it served."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"port={port} must be in [0, 65535]")
     try:
-        sock.bind((host, port))
+        found = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as e:
-        sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: unknown host ({e.strerror})") from None
+    sockets = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys((f, k, p, "", a) for f, k, p, _, a in found):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # its own socket beside the IPv4 one (asyncio's choice too)
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            if port == 0 and len(sockets) > 1:  # the port the system chose for the first address, for all
+                address = (address[0], sockets[0].getsockname()[1], *address[2:])
+            sock.bind(address)
+            sock.listen(2048)  # listening now: a second server on this port fails here, not after loading
     except OSError as e:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         why = {errno.EADDRINUSE: "the port is in use (another server?): stop it or give another --port",
                errno.EACCES: "not allowed (ports below 1024 need root): give --port=1024 or above",
                errno.EADDRNOTAVAIL: "the address is not this machine's: give --host=127.0.0.1 or 0.0.0.0"}
         raise ConfigError(f"cannot listen on {host}:{port}: {why.get(e.errno, e.strerror or e)}") from None
-    sock.set_inheritable(True)
-    return sock
+    return sockets
+
+
+def url_of(host, port):
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def stop_serving(signum, frame):

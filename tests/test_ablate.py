@@ -133,6 +133,15 @@ def test_diverged_variant_is_reported(tmp_path, char_dataset):
     assert "| learned |" in table and "yes (2/2)" in table
 
 
+def test_a_variant_continuing_a_diverged_one_is_reported_diverged_not_missing(tmp_path, char_dataset):
+    text = STUDY.replace('"learned": dict(pos_emb="learned")',
+                         '"learned": dict(pos_emb="learned", learning_rate=1e30, min_lr=1e30, grad_clip=0.0)')
+    text += 'continue_from = {{"rope": "learned"}}\n'
+    ablate.main([write_study(tmp_path, char_dataset, text), f"--out_dir={tmp_path / 'out'}"])
+    table = (tmp_path / "out" / "results.md").read_text()
+    assert "Partial" not in table and "| rope |" in table and table.count("yes (2/2)") == 2, table
+
+
 def test_a_signal_stops_the_whole_study(tmp_path, char_dataset, monkeypatch, capsys):
     import signal
 

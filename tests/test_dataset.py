@@ -361,21 +361,28 @@ def test_mqar_sequences_recall_their_pairs_and_train_only_the_queried_values(tmp
 
 
 TRICKY = ("The king's men,  said: \"no!\"\n\nIt's 12,345.67 -- ünïcödé\r\nEmoji 🙂 and\ttabs\n   \n"
-          "  indented line\n.\n/path/to\n.\nWord 1999 and 'quoted'\n\n\n42 is a number\n")
+          "  indented line\n.\n/path/to\n.\nWord 1999 and 'quoted'\n\n\n42 is a number\nend \nWord.\n\nB\n"
+          "a.\n\nB a\n\n\n\nB x:\nY  \nWord\tok\n9\n")
 
 
 @pytest.mark.parametrize("kind", ["char", "bpe:300", "gpt2", "cl100k_base", "o200k_base"])
 def test_a_corpus_encoded_in_pieces_has_the_ids_of_one_piece_and_shows_progress(kind, monkeypatch, capsys):
     """prepare_text encodes a large text in pieces, with progress lines between them (a log's), cut where
-    every tokenizer we write data with starts a new piece anyway: the ids equal the whole text's."""
+    every tokenizer we write data with starts a new piece anyway: at every point LINE_START allows, the two
+    sides' ids are the whole text's (a cut before B in "a\n\nB" was not: GPT-2 merges the two line ends)."""
     import configurator
     import dataset
 
-    text = TRICKY * 60
+    text = TRICKY * 20
     try:
         tokenizer = dataset.tokenizer_for(kind, text, 0.1)
     except DataError as e:  # tiktoken's files unavailable (no cache, no network)
         pytest.skip(str(e))
+    whole = tokenizer.encode(TRICKY)
+    cuts = [m.end() for m in dataset.LINE_START.finditer(TRICKY)]
+    assert len(cuts) >= 5
+    for cut in cuts:
+        assert tokenizer.encode(TRICKY[:cut]) + tokenizer.encode(TRICKY[cut:]) == whole, repr(TRICKY[cut - 5 : cut + 5])
     monkeypatch.setattr(dataset, "PIECE_CHARS", 50)
     monkeypatch.setattr(configurator, "PROGRESS_SECONDS", 0.0)
     assert dataset.encode_in_pieces(tokenizer, text, "tokenizing train") == tokenizer.encode(text)

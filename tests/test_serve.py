@@ -344,6 +344,19 @@ def test_a_port_in_use_is_one_line_and_a_non_zero_exit(served_run):
         f"error: cannot listen on 127.0.0.1:{port}: the port is in use (another server?): stop it or give another --port\n")
     result = run_main("serve.py", f"--out_dir={served_run}", "--host=no-such-host.invalid")
     assert result.returncode == 2 and result.stderr.startswith("error: cannot listen on no-such-host.invalid:8000: unknown host")
+    result = run_main("serve.py", f"--out_dir={served_run}", "--port=70000")
+    assert result.returncode == 2 and result.stderr == "error: port=70000 must be in [0, 65535]\n"
+    # port 0: every address localhost names listens on the one port the system chose
+    sockets = serve.listen_on("localhost", 0)
+    try:
+        assert len({s.getsockname()[1] for s in sockets}) == 1 and sockets[0].getsockname()[1] > 0
+        with socket.create_connection(("127.0.0.1", sockets[0].getsockname()[1]), timeout=5):
+            pass  # accepted into the backlog: it listens
+        with pytest.raises(__import__("configurator").ConfigError, match="the port is in use"):
+            serve.listen_on("127.0.0.1", sockets[0].getsockname()[1])
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def test_no_other_script_imports_fastapi_and_none_imports_torch_dynamo():

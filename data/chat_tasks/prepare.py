@@ -12,8 +12,8 @@ Five tasks, all in the characters Tiny Shakespeare has (it has one digit, so num
   add       "<number> plus <number>"             -> the sum (zero to eighteen)
   count     "count the words: <a line>"          -> how many (two to nine)
 A third of the conversations open with a system turn, a quarter of the training ones hold two exchanges.
-Held out for val: lines from the text's last tenth (speaker, count), a tenth of the words (reverse,
-shout), 20 of the 100 sums (add). The next line of a speech is not a task: on held-out text its exact
+Held out for val (625 conversations per task by default): lines from the text's last tenth (speaker,
+count), a tenth of the words (reverse, shout), 20 of the 100 sums (add). The next line of a speech is not a task: on held-out text its exact
 match is about 0 for any model of this size, so it would measure nothing.
 
 Writes train.jsonl and val.jsonl here (a "task" field beside "messages": what eval.py --chats scores per
@@ -117,7 +117,9 @@ def main():
     parser.add_argument("--tokenizer_from", help="the base run whose tokenizer the dataset uses (the Quick start's out_dir)")
     parser.add_argument("--out_dir", default=HERE, help="where train.jsonl, val.jsonl and the dataset go")
     parser.add_argument("--train", type=int, default=5000, help="training conversations")
-    parser.add_argument("--val", type=int, default=250, help="held-out conversations (50 per task)")
+    parser.add_argument("--val", type=int, default=3125, help="held-out conversations: 625 per task, so one task's exact "
+                        "match has a standard error of at most 0.02 (the first 250 are the 250 of before, and the "
+                        "training conversations are the same)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     try:
