@@ -116,10 +116,9 @@ def main():
     parser.add_argument("--input", help="Tiny Shakespeare's text (default: the Quick start's, downloaded or its --input, else a download)")
     parser.add_argument("--tokenizer_from", help="the base run whose tokenizer the dataset uses (the Quick start's out_dir)")
     parser.add_argument("--out_dir", default=HERE, help="where train.jsonl, val.jsonl and the dataset go")
-    parser.add_argument("--train", type=int, default=5000, help="training conversations")
+    parser.add_argument("--train", type=int, default=20_000, help="training conversations")
     parser.add_argument("--val", type=int, default=3125, help="held-out conversations: 625 per task, so one task's exact "
-                        "match has a standard error of at most 0.02 (the first 250 are the 250 of before, and the "
-                        "training conversations are the same)")
+                        "match has a standard error of at most 0.02 (--train=5000 --val=250 makes the sets of before)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     try:
