@@ -874,7 +874,13 @@ def listen_on(host, port):
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             if port == 0 and len(sockets) > 1:  # the port the system chose for the first address, for all
                 address = (address[0], sockets[0].getsockname()[1], *address[2:])
-            sock.bind(address)
+            try:
+                sock.bind(address)
+            except OSError as e:  # a family this machine has not enabled (IPv6): skipped, as asyncio does
+                if e.errno != errno.EADDRNOTAVAIL or family != socket.AF_INET6 or len(found) == 1:
+                    raise
+                sockets.pop().close()
+                continue
             sock.listen(2048)  # listening now: a second server on this port fails here, not after loading
     except OSError as e:
         for sock in sockets:
@@ -883,7 +889,7 @@ def listen_on(host, port):
                errno.EACCES: "not allowed (ports below 1024 need root): give --port=1024 or above",
                errno.EADDRNOTAVAIL: "the address is not this machine's: give --host=127.0.0.1 or 0.0.0.0"}
         raise ConfigError(f"cannot listen on {host}:{port}: {why.get(e.errno, e.strerror or e)}") from None
-    return sockets
+    return sockets  # (never empty: an IPv6 address is skipped only beside another)
 
 
 def url_of(host, port):
