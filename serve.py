@@ -866,7 +866,7 @@ def listen_on(host, port):
         raise ConfigError(f"cannot listen on {host}:{port}: unknown host ({e.strerror})") from None
     sockets = []
     try:
-        for family, kind, proto, _, address in dict.fromkeys((f, k, p, "", a) for f, k, p, _, a in found):
+        for family, kind, proto, address in dict.fromkeys((f, k, p, a) for f, k, p, _, a in found):  # each once
             sock = socket.socket(family, kind, proto)
             sockets.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

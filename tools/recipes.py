@@ -61,8 +61,10 @@ def exact_match(json_path):
 
 
 def metrics(work, out_dir):
-    with open(os.path.join(work, out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    sys.path.insert(0, ROOT)
+    from checkpoint import read_metrics  # (the project's reader; imported here: --help needs no torch)
+
+    return read_metrics(os.path.join(work, out_dir))
 
 
 RECIPES = {

@@ -13,8 +13,8 @@ Five tasks, all in the characters Tiny Shakespeare has (it has one digit, so num
   count     "count the words: <a line>"          -> how many (two to nine)
 A third of the conversations open with a system turn, a quarter of the training ones hold two exchanges.
 Held out for val (625 conversations per task by default): lines from the text's last tenth (speaker,
-count), a tenth of the words (reverse, shout), 20 of the 100 sums (add). The next line of a speech is not a task: on held-out text its exact
-match is about 0 for any model of this size, so it would measure nothing.
+count), a tenth of the words (reverse, shout), 20 of the 100 sums (add). The next line of a speech is not a
+task: on held-out text its exact match is about 0 for any model of this size, so it would measure nothing.
 
 Writes train.jsonl and val.jsonl here (a "task" field beside "messages": what eval.py --chats scores per
 task) and, with --tokenizer_from, the dataset data/chat_tasks that train.py reads (data/prepare.py's).
