@@ -150,11 +150,7 @@ def lora_model(state, path, merged=True, dropout=0.0):
     if lora.file_sha256(base_path) != record["base_sha256"]:
         raise CheckpointError(f"{path}: its base {base_path} changed since the LoRA run began (sha256 differs); "
                               "the adapters fit only the weights they were trained on: restore that checkpoint")
-    model = model_from_checkpoint(load_checkpoint(base_path), base_path)
-    if dropout:  # a resumed run's dropout (the base's modules carry their own)
-        tuned = GPT(replace(model.config, dropout=dropout))
-        tuned.load_state_dict(model.state_dict())
-        model = tuned
+    model = with_dropout(model_from_checkpoint(load_checkpoint(base_path), base_path), dropout)  # a resumed run's
     first = record["new_rows_from"]
     if first is not None:
         model.add_tokens(first, list(range(first, state["model_config"]["vocab_size"])))
@@ -185,11 +181,23 @@ def model_from_checkpoint(state, path):
     return model
 
 
-def load_model(out_dir):
-    """(model, checkpoint state) from out_dir/ckpt.pt: what sample.py, bench.py and export.py load."""
+def with_dropout(model, dropout):
+    """The model rebuilt with another dropout (the modules carry their own rate), or itself for 0."""
+    if not dropout:
+        return model
+    tuned = GPT(replace(model.config, dropout=dropout))
+    tuned.load_state_dict(model.state_dict())
+    return tuned
+
+
+def load_model(out_dir, dropout=0.0):
+    """(model, checkpoint state) from out_dir/ckpt.pt: what sample.py, bench.py and export.py load.
+
+    dropout: the model rebuilt with this rate (a fine-tune starting from the run).
+    """
     path = os.path.join(out_dir, CHECKPOINT)
     state = load_checkpoint(path)
-    return model_from_checkpoint(state, path), state
+    return with_dropout(model_from_checkpoint(state, path), dropout), state
 
 
 def run_tokenizer(run):

@@ -3,28 +3,28 @@ Hugging Face interop: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM), Mistral
 Llama with a sliding window in every layer), Qwen3 (Qwen3ForCausalLM: Llama with QK-norm) and Arcee
 (ArceeForCausalLM: Llama with a non-gated ReLU² MLP) weights into our GPT and back, and the tokenizer that
 goes with pretrained weights. GPT.from_pretrained and GPT.save_pretrained call in here; nothing here is
-needed to train or sample a model of our own.
+needed to train or sample a model of our own. This file converts and builds nothing: configs become our
+GPTConfig keys as a dict, tensors become tensors under our names, and the model comes from the caller (so
+hf.py imports no model, and model.py can import it without a circle).
 """
 
 import json
 import os
-from dataclasses import replace
-
 import torch
 
 import attention
 from configurator import UserError
 from dataset import CHAT_TEMPLATE, CHAT_TOKENS, EOT, UNK, DataError, HFTokenizer, TiktokenTokenizer, describe_meta
-from model import GPTConfig
 
 
 class PretrainedError(UserError):
     """Weights that cannot be had or do not fit: one line for the user, no traceback."""
 
 
-def load_pretrained(cls, name_or_dir, dropout=0.0):
-    """cls (GPT) with the weights of a local Hugging Face directory (config.json plus model.safetensors
-    or pytorch_model.bin), or of gpt2 / gpt2-medium / gpt2-large / gpt2-xl from the Hub."""
+def load_pretrained(build, name_or_dir):
+    """The model build(keys) makes from a Hugging Face config's GPTConfig keys, with the weights of a local
+    Hugging Face directory (config.json plus model.safetensors or pytorch_model.bin), or of gpt2 /
+    gpt2-medium / gpt2-large / gpt2-xl from the Hub."""
     directory = resolve_pretrained(name_or_dir)
     with open(os.path.join(directory, "config.json")) as f:
         hf_config = json.load(f)
@@ -34,9 +34,8 @@ def load_pretrained(cls, name_or_dir, dropout=0.0):
             f"{directory}: model_type {kind!r} is not supported; supported: {', '.join(HF_FAMILIES)}"
         )
     to_config, to_ours, _, _ = HF_FAMILIES[kind]
-    config = to_config(hf_config, directory)
-    config.dropout = dropout
-    model = cls(config)
+    model = build(to_config(hf_config, directory))
+    config = model.config
     state = to_ours(load_hf_state_dict(directory), config)
     if config.tie_embeddings:
         state["lm_head.weight"] = state["tok_emb.weight"]
@@ -97,6 +96,9 @@ GPT2_HUB_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 def resolve_pretrained(name_or_dir):
     if os.path.isdir(name_or_dir):
+        if not os.path.exists(os.path.join(name_or_dir, "config.json")):
+            raise PretrainedError(f"{name_or_dir}: no config.json, so not a Hugging Face model directory (a training "
+                                  f"run's folder loads with checkpoint.load_any({name_or_dir!r}))")
         return name_or_dir
     if name_or_dir not in GPT2_HUB_NAMES:
         raise PretrainedError(
@@ -190,7 +192,7 @@ def gpt2_config(hf, directory):
         raise PretrainedError(f"{directory}: GPT-2 activation {act!r} is not supported (tanh GELU only)")
     if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
         raise PretrainedError(f"{directory}: non-standard GPT-2 attention scaling is not supported")
-    return GPTConfig(
+    return dict(
         block_size=hf["n_positions"], vocab_size=hf["vocab_size"], n_layer=hf["n_layer"], n_head=hf["n_head"],
         n_embd=hf["n_embd"], bias=True, pos_emb="learned", norm="layernorm",
         norm_eps=hf.get("layer_norm_epsilon", 1e-5), mlp="gelu", mlp_hidden=hf.get("n_inner") or 4 * hf["n_embd"],
@@ -267,7 +269,7 @@ def llama_config(hf, directory, act="silu"):
     n_embd, n_head = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("head_dim", n_embd // n_head) != n_embd // n_head:
         raise PretrainedError(f"{directory}: head_dim={hf['head_dim']} != hidden_size/num_attention_heads")
-    return GPTConfig(
+    return dict(
         block_size=hf["max_position_embeddings"], vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"],
         n_head=n_head, n_kv_head=hf.get("num_key_value_heads") or n_head, n_embd=n_embd, bias=False,
         pos_emb="rope", rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)), rope_scaling=scaling,
@@ -356,7 +358,7 @@ def mistral_config(hf, directory):
     """Mistral is Llama whose every layer attends over the last sliding_window tokens (None: all of them)."""
     config = llama_config(hf, directory)
     window = hf.get("sliding_window")
-    return replace(config, attn_pattern=attention.letters_exported_as("window")[0], attn_window=window) if window else config
+    return config | {"attn_pattern": attention.letters_exported_as("window")[0], "attn_window": window} if window else config
 
 
 def mistral_hf_config(config):
@@ -369,7 +371,7 @@ def qwen3_config(hf, directory):
     layers (use_sliding_window) are not supported."""
     if hf.get("use_sliding_window"):
         raise PretrainedError(f"{directory}: Qwen3 with use_sliding_window=true is not supported")
-    return replace(llama_config(hf, directory), qk_norm=True)
+    return llama_config(hf, directory) | {"qk_norm": True}
 
 
 def qwen3_hf_config(config):
@@ -380,7 +382,7 @@ def qwen3_hf_config(config):
 
 def arcee_config(hf, directory):
     """Arcee (AFM) is Llama whose MLP is up_proj, ReLU², down_proj: no gate."""
-    return replace(llama_config(hf, directory, act="relu2"), mlp="relu2")
+    return llama_config(hf, directory, act="relu2") | {"mlp": "relu2"}
 
 
 def arcee_hf_config(config):

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 import attention
 import generate
+import hf
 from attention import make_norm
 from generate import Sampling
 from positions import POSITIONS, LearnedPositions
@@ -476,27 +477,17 @@ class GPT(nn.Module):
                                        for kind in c.layer_kinds)
 
     # Hugging Face interop lives in hf.py; these two keep the names nanoGPT and transformers users type.
+    # A training run's folder loads through checkpoint.load_any (checkpoint.py stands on model.py; the
+    # reverse import would make a circle).
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
-        """A training run's folder (its ckpt.pt), or a Hugging Face GPT2LMHeadModel or LlamaForCausalLM: a
-        local directory, or gpt2 / gpt2-medium / gpt2-large / gpt2-xl from the Hub (needs network, or the
-        Hugging Face cache). checkpoint.load_any gives the model's tokenizer too."""
-        import os
+        """A Hugging Face model: a GPT2LMHeadModel, Llama, Mistral, Qwen3 or Arcee directory, or a GPT-2 name.
 
-        import checkpoint
-        import hf
-
-        if not os.path.exists(os.path.join(name_or_dir, checkpoint.CHECKPOINT)):
-            return hf.load_pretrained(cls, name_or_dir, dropout)
-        model = checkpoint.load_model(name_or_dir)[0]
-        if dropout:
-            tuned = cls(replace(model.config, dropout=dropout))
-            tuned.load_state_dict(model.state_dict())
-            model = tuned
-        return model
+        The names are gpt2 / gpt2-medium / gpt2-large / gpt2-xl from the Hub (network, or the Hugging Face
+        cache). A training run's folder gets one line naming checkpoint.load_any, which gives the tokenizer too.
+        """
+        return hf.load_pretrained(lambda keys: cls(GPTConfig(**keys, dropout=dropout)), name_or_dir)
 
     def save_pretrained(self, directory):
-        """config.json and model.safetensors that transformers' AutoModelForCausalLM loads."""
-        import hf
-
+        """Writes config.json and model.safetensors that transformers' AutoModelForCausalLM loads."""
         hf.save_pretrained(self, directory)

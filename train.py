@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from checkpoint import CHECKPOINT, METRICS, ContextKeys, RunLock, RunState, load_checkpoint, lora_model, tokens_per_step
+from checkpoint import CHECKPOINT, METRICS, ContextKeys, RunLock, RunState, load_checkpoint, load_model, lora_model, tokens_per_step
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import (CHAT_TOKENS, BatchSampler, ConversationSampler, DataError, describe_meta, is_masked_dataset, open_split,
                      read_meta, resolve_dataset, tokenizer_from_meta)
@@ -613,7 +613,7 @@ def load_model_for(c, explicit, data_meta, ckpt, notes):
             raise DataError(f"init_from={c.init_from} was trained with another tokenizer than dataset {c.dataset!r}'s; "
                             "fine-tune it on a dataset prepared with its tokenizer (conversations: data/prepare.py "
                             f"--tokenizer_from={c.init_from})")
-        return GPT.from_pretrained(c.init_from, dropout=c.dropout), source
+        return load_model(c.init_from, dropout=c.dropout)[0], source
     model = GPT.from_pretrained(c.init_from, dropout=c.dropout)
     if uses_gpt2_tokenizer(model.config) and base_of(tokenizer) != {"kind": "tiktoken", "encoding": "gpt2"}:
         raise DataError(f"GPT-2 weights need a dataset tokenized with tiktoken gpt2; {c.dataset!r} uses {describe_meta(tokenizer)}")

@@ -198,4 +198,4 @@ def test_an_arcee_config_without_hidden_act_reads_as_relu2():
     hf = {"hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2, "intermediate_size": 64,
           "max_position_embeddings": 32, "vocab_size": 61, "model_type": "arcee"}
     config = arcee_config(hf, "dir")
-    assert config.mlp == "relu2" and config.mlp_hidden == 64
+    assert config["mlp"] == "relu2" and config["mlp_hidden"] == 64
