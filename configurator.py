@@ -240,6 +240,31 @@ def fail(message):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Text typed on a command line (sample.py's --start and --stop, interpret.py's --start)
+
+
+ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text):
+    """\\n, \\t, \\r and \\\\ typed on a command line (where the shell passes them as two characters) become
+    a newline, a tab, a carriage return and one backslash; any other backslash stays as it is."""
+    return re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m.group(1)], text)
+
+
+def read_prompt(start):
+    """The prompt a --start value gives: the file FILE:path holds, or the text with its escapes (unescape)."""
+    if start.startswith("FILE:"):
+        path = start[len("FILE:") :]
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise ConfigError(f"start=FILE:{path}: cannot read the prompt file ({e.strerror})") from None
+    return unescape(start)
+
+
+# ----------------------------------------------------------------------------------------------------
 # Progress of a long command's loop
 
 

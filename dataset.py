@@ -730,7 +730,6 @@ def encode_in_pieces(tokenizer, text, what):
 def prepare_corpus_main(description, url, here, make_tokenizer):
     """The command line of a single-text corpus's prepare script (data/shakespeare*/prepare.py)."""
     import argparse
-    import sys
 
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--input", help="a local copy of the text (skips the download)")

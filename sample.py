@@ -9,7 +9,6 @@ The num_samples samples run as one batch; sample i draws from its own generator 
 so sample i of a batch is exactly what a run with --seed=<seed + i> --num_samples=1 prints.
 """
 
-import re
 import sys
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -19,7 +18,7 @@ import torch
 import generate
 import speculative
 from checkpoint import ContextKeys, load_for
-from configurator import ConfigError, checked, cli_main, keys_of, parse_config
+from configurator import ConfigError, checked, cli_main, keys_of, parse_config, read_prompt, unescape
 from dataset import EOT, DataError, continuation
 from device import DEVICES, pick_device
 from generate import Sampling, check_max_new_tokens
@@ -49,26 +48,6 @@ class SampleConfig(ContextKeys):
 
 SAMPLE_CHOICES = {"device": DEVICES, "weights_dtype": WEIGHTS_DTYPES, "crop_prompt": ("no", "left"), **ContextKeys.CHOICES}
 RENAMED = {"dtype": "weights_dtype"}  # the weight format, named as in bench.py (dtype is the compute dtype)
-
-
-ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
-
-
-def unescape(text):
-    """\\n, \\t, \\r and \\\\ typed on a command line (where the shell passes them as two characters) become
-    a newline, a tab, a carriage return and one backslash; any other backslash stays as it is."""
-    return re.sub(r"\\([ntr\\])", lambda m: ESCAPES[m.group(1)], text)
-
-
-def read_prompt(start):
-    if start.startswith("FILE:"):
-        path = start[len("FILE:") :]
-        try:
-            with open(path, encoding="utf-8") as f:
-                return f.read()
-        except OSError as e:
-            raise ConfigError(f"start=FILE:{path}: cannot read the prompt file ({e.strerror})") from None
-    return unescape(start)
 
 
 def encode_prompt(tokenizer, text, limit, crop="no"):

@@ -30,9 +30,9 @@ from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pic
 from device import autocast as autocast_for
 from hf import uses_gpt2_tokenizer
 import lora
-from interpret import best, head_scores, recording
 from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, ModelKeys, lm_loss, model_config, model_helps
 from optim import OPTIMIZERS, build_optimizers, clip_gradients, get_lr
+from probes import best, head_scores, recording
 
 @dataclass
 class TrainConfig(ModelKeys):  # and every model key (model.ModelKeys)

@@ -1,4 +1,5 @@
-"""interpret.py: recorded attention, maps, and per-head scores checked on a hand-built 2-layer induction model."""
+"""probes.py and interpret.py: recorded attention, maps, and per-head scores checked on a hand-built 2-layer induction
+model; interpret.py's command line draws and prints them."""
 
 import json
 import math
@@ -7,7 +8,7 @@ import os
 import pytest
 import torch
 
-import interpret
+import probes
 from conftest import TINY_RUN, build, read_metrics, run_main
 from model import GPT, GPTConfig
 
@@ -16,10 +17,10 @@ V, T = 16, 16  # vocabulary and context of the hand-built model: probes of 8 dis
 
 @pytest.mark.parametrize("weights", [False, True])
 def test_recorded_attention_is_the_models_own_softmax(weights):
-    """interpret.recording: the largest visible score (train.py's log_stability) and, with weights=True, the
+    """probes.recording: the largest visible score (train.py's log_stability) and, with weights=True, the
     attention weights (interpret.py's maps): the softmax of the scores computed here from the model's own
     projections, to 1e-6; the model's output unchanged either way."""
-    from interpret import recording
+    from probes import recording
 
     model = build(n_layer=1, pos_emb="rope")
     idx = torch.randint(0, 61, (2, 12))
@@ -79,13 +80,13 @@ def induction_model():
 
 
 def test_a_hand_built_induction_head_scores_near_one():
-    s = interpret.head_scores(induction_model(), rows=8)
+    s = probes.head_scores(induction_model(), rows=8)
     assert s["probe_len"] == 8
     assert s["previous"][0][0] > 0.999  # layer 0 head 0: the previous-token head
     # layer 1 head 0: the induction head. One position of eight shares its attention with a spurious key
     # (position 0 attends to itself, so its "previous token" is its own): 7.5/8 at best
     assert s["induction"][1][0] > 0.93 and s["duplicate"][1][0] < 0.07  # (the spurious key is a duplicate)
-    assert interpret.best(s["induction"]) == s["induction"][1][0]
+    assert probes.best(s["induction"]) == s["induction"][1][0]
     assert max(s["induction"][0] + s["induction"][1][1:]) < 0.2  # the other heads do not
     assert s["copying"][1][0] > 0.99  # its output raises the logit of the token it reads
     assert s["icl"] < -1.0 and s["loss_second"] < 0.5  # the second copy is predicted from the first
@@ -94,7 +95,7 @@ def test_a_hand_built_induction_head_scores_near_one():
 def test_a_random_model_scores_near_chance():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=64, n_layer=2, n_head=2, n_embd=32)).eval()
-    s = interpret.head_scores(model, rows=8)
+    s = probes.head_scores(model, rows=8)
     assert s["probe_len"] == 32 and 0.02 < s["chance"] < 0.03
     for layer in s["induction"]:
         for score in layer:
@@ -107,7 +108,7 @@ def test_a_window_hides_its_far_keys_and_a_linear_layer_has_no_map():
     model = GPT(GPTConfig(vocab_size=32, block_size=16, n_layer=2, n_head=2, n_embd=16, pos_emb="rope",
                           attn_pattern="SR", attn_window=4)).eval()
     ids = list(range(10))
-    logits, maps = interpret.attention_maps(model, ids)
+    logits, maps = probes.attention_maps(model, ids)
     assert torch.allclose(logits, model(torch.tensor([ids]))[0], atol=1e-5)
     weights, hidden = maps[0]
     i, j = torch.meshgrid(torch.arange(10), torch.arange(10), indexing="ij")
@@ -115,7 +116,7 @@ def test_a_window_hides_its_far_keys_and_a_linear_layer_has_no_map():
     assert torch.equal(hidden, ~seen.expand(2, 10, 10)) and torch.all(weights[hidden] == 0)
     assert torch.allclose(weights.sum(-1), torch.ones(2, 10))
     assert maps[1] is None  # the linear-attention layer
-    s = interpret.head_scores(model, rows=2)
+    s = probes.head_scores(model, rows=2)
     assert s["induction"][1] is None and len(s["copying"][1]) == 2
 
 
@@ -123,7 +124,7 @@ def test_head_scores_refuse_a_probe_that_does_not_fit():
     from configurator import ConfigError
 
     with pytest.raises(ConfigError, match="probe_len=9"):
-        interpret.head_scores(induction_model(), n=9)
+        probes.head_scores(induction_model(), n=9)
 
 
 def test_interpret_draws_maps_and_writes_scores(tmp_path, trained_run):
@@ -188,7 +189,7 @@ def test_copying_scores_are_fp32_under_autocast():
     from conftest import build
 
     model = build(n_layer=2)
-    plain = interpret.copying_scores(model)
+    plain = probes.copying_scores(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        under = interpret.copying_scores(model)
+        under = probes.copying_scores(model)
     assert under == plain
