@@ -21,10 +21,10 @@ import torch
 
 from checkpoint import ContextKeys, load_for
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
-from dataset import chat_tokenizer, continuation
 from device import DEVICES, pick_device
 from generate import Sampling, check_max_new_tokens, sample_next
 from quantize import WEIGHTS_DTYPES, for_inference, precision_line
+from tokenizer import chat_tokenizer, continuation
 
 
 @dataclass

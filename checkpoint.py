@@ -23,9 +23,10 @@ import torch
 
 import lora
 from configurator import UserError, checked
-from dataset import atomic_write, tokenizer_from_meta
+from dataset import atomic_write
 from hf import GPT2_HUB_NAMES, pretrained_tokenizer
 from model import GPT, GPTConfig
+from tokenizer import tokenizer_from_meta
 
 FORMAT = 1
 CHECKPOINT = "ckpt.pt"  # in out_dir

@@ -26,7 +26,11 @@ class UserError(ValueError):
 
 
 class ConfigError(UserError):
-    pass
+    """A key or value the command line or a config file got wrong."""
+
+
+class DataError(UserError):
+    """Data, a tokenizer or a file that cannot be used as given (missing, corrupt, of another vocabulary)."""
 
 
 @dataclass

@@ -39,12 +39,13 @@ import torch.nn.functional as F
 
 from checkpoint import ContextKeys, load_for
 import generate
-from configurator import ConfigError, Progress, checked, cli_main, keys_of, parse_config
-from dataset import (ChatTokenizer, ConversationSampler, DataError, describe_meta, hub_offline, hub_reachable, is_masked_dataset,
-                     continuation, open_split, read_meta, read_records, resolve_dataset, write_json)
+from configurator import ConfigError, DataError, Progress, checked, cli_main, keys_of, parse_config
+from dataset import (ConversationSampler, hub_offline, hub_reachable, is_masked_dataset, open_split,
+                     read_meta, read_records, resolve_dataset, write_json)
 from device import COMPUTE_DTYPES, DEVICES, autocast, pick_device, pick_dtype
 from generate import Sampling, check_max_new_tokens
 from quantize import for_inference
+from tokenizer import ChatTokenizer, continuation, describe_meta
 
 
 @dataclass

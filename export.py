@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from checkpoint import load_any
 from configurator import ConfigError, cli_main, parse_config
-from dataset import tokenizer_from_meta
 from hf import hf_family, save_tokenizer
+from tokenizer import tokenizer_from_meta
 
 
 @dataclass

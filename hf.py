@@ -13,8 +13,8 @@ import os
 import torch
 
 import attention
-from configurator import UserError
-from dataset import CHAT_TEMPLATE, CHAT_TOKENS, EOT, UNK, DataError, HFTokenizer, TiktokenTokenizer, describe_meta
+from configurator import DataError, UserError
+from tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, EOT, HFTokenizer, TiktokenTokenizer, UNK, describe_meta
 
 
 class PretrainedError(UserError):

@@ -18,11 +18,11 @@ import torch
 import generate
 import speculative
 from checkpoint import ContextKeys, load_for
-from configurator import ConfigError, checked, cli_main, keys_of, parse_config, read_prompt, unescape
-from dataset import EOT, DataError, continuation
+from configurator import ConfigError, DataError, checked, cli_main, keys_of, parse_config, read_prompt, unescape
 from device import DEVICES, pick_device
 from generate import Sampling, check_max_new_tokens
 from quantize import WEIGHTS_DTYPES, for_inference, precision_line
+from tokenizer import EOT, continuation
 
 
 @dataclass

@@ -39,11 +39,11 @@ import torch
 import torch.nn.functional as F
 
 from checkpoint import ContextKeys, load_for
-from configurator import ConfigError, checked, cli_main, keys_of, parse_config
-from dataset import ChatTokenizer, DataError, chat_tokenizer, check_messages, continuation
+from configurator import ConfigError, DataError, checked, cli_main, keys_of, parse_config
 from device import DEVICES, pick_device
 from generate import Sampling, next_logits, row_batch, sample_next, sample_rows
 from quantize import BATCH_OVERRIDE, WEIGHTS_DTYPES, for_inference, precision_line
+from tokenizer import ChatTokenizer, chat_tokenizer, check_messages, continuation
 
 MAX_BODY_BYTES = 1 << 20  # a request larger than 1 MB is refused (413) before it is parsed
 MAX_LOGPROBS = 20
@@ -447,7 +447,7 @@ CHAT_REPLY_TOKENS = 256  # a chat reply's max_tokens when the request sets none 
 
 def parse_chat_request(body, tokenizer, config, max_tokens_limit):
     """(prompts, settings) of a chat completions request: the messages rendered with the model's chat
-    template and the assistant's turn opened (dataset.ChatTokenizer.render). max_tokens (or OpenAI's newer
+    template and the assistant's turn opened (tokenizer.ChatTokenizer.render). max_tokens (or OpenAI's newer
     max_completion_tokens) defaults to what the context has left (at most max_tokens_limit); logprobs is a
     bool, top_logprobs 0-20."""
     if not isinstance(body, dict):

@@ -18,8 +18,8 @@ import attention
 import generate as decoding  # this module's generate and stream wrap its own
 from checkpoint import load_any
 from configurator import ConfigError
-from dataset import describe_tokenizer, same_tokenizer
 from quantize import for_inference
+from tokenizer import describe_tokenizer, same_tokenizer
 
 
 def accept_drafts(logits, drafts, q, sampling, generator=None):

@@ -23,9 +23,8 @@ from typing import Optional
 import torch
 
 from checkpoint import CHECKPOINT, METRICS, ContextKeys, RunLock, RunState, load_checkpoint, load_model, lora_model, tokens_per_step
-from configurator import ConfigError, checked, cli_main, keys_of, parse_config
-from dataset import (CHAT_TOKENS, BatchSampler, ConversationSampler, DataError, describe_meta, is_masked_dataset, open_split,
-                     read_meta, resolve_dataset, tokenizer_from_meta)
+from configurator import ConfigError, DataError, checked, cli_main, keys_of, parse_config
+from dataset import BatchSampler, ConversationSampler, is_masked_dataset, open_split, read_meta, resolve_dataset
 from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
 from device import autocast as autocast_for
 from hf import uses_gpt2_tokenizer
@@ -33,6 +32,7 @@ import lora
 from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, ModelKeys, lm_loss, model_config, model_helps
 from optim import OPTIMIZERS, build_optimizers, clip_gradients, get_lr
 from probes import best, head_scores, recording
+from tokenizer import CHAT_TOKENS, describe_meta, tokenizer_from_meta
 
 @dataclass
 class TrainConfig(ModelKeys):  # and every model key (model.ModelKeys)

@@ -31,9 +31,10 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, ".."))
 from checkpoint import run_tokenizer  # noqa: E402
-from configurator import UserError, fail  # noqa: E402
-from dataset import (DataError, ChatTokenizer, check_messages, fetch_text, hub_offline, hub_reachable,  # noqa: E402
-                     prepare_conversations, prepare_text, read_conversations, summary, tokenizer_for)
+from configurator import DataError, UserError, fail  # noqa: E402
+from dataset import (fetch_text, hub_offline, hub_reachable, prepare_conversations, prepare_text,
+                     read_conversations, summary, tokenizer_for)
+from tokenizer import ChatTokenizer, check_messages
 
 
 def looks_like_text(path, probe=1 << 16):

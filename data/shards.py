@@ -18,9 +18,9 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from configurator import UserError, fail  # noqa: E402
-from dataset import (DataError, TiktokenTokenizer, TokenFile, atomic_write, hub_offline, hub_reachable,  # noqa: E402
-                     token_dtype, write_meta, write_tokens)
+from configurator import DataError, UserError, fail  # noqa: E402
+from dataset import TokenFile, atomic_write, hub_offline, hub_reachable, token_dtype, write_meta, write_tokens
+from tokenizer import TiktokenTokenizer
 
 BATCH = 1000  # documents per tokenization batch
 

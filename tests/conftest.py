@@ -39,7 +39,8 @@ def make_text(n_chars, seed=0):
 
 @pytest.fixture(scope="session")
 def char_dataset(tmp_path_factory):
-    from dataset import char_tokenizer_for, prepare_text
+    from dataset import prepare_text
+    from tokenizer import char_tokenizer_for
 
     out = tmp_path_factory.mktemp("data") / "verse_char"
     text = make_text(40_000)
@@ -108,7 +109,7 @@ def fails(capsys, main, *args):
 
 
 def gpt2_or_skip():
-    from dataset import TiktokenTokenizer
+    from tokenizer import TiktokenTokenizer
 
     try:
         TiktokenTokenizer("gpt2")

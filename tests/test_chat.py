@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 from conftest import SFT_RUN, WORDS, build, conversations, one_error_line, read_metrics, run_main
 
-from dataset import CHAT_TOKENS, CharTokenizer, ChatTokenizer, ConversationSampler, read_meta, tokenizer_from_meta
+from dataset import ConversationSampler, read_meta
 from model import lm_loss
+from tokenizer import CHAT_TOKENS, CharTokenizer, ChatTokenizer, tokenizer_from_meta
+
 
 def expected(tokenizer, messages):
     """The template written out independently of ChatTokenizer.render: (ids, trained)."""

@@ -1,4 +1,5 @@
-"""dataset.py and the data/ prepare scripts: token files, tokenizers, batches, real corpora, sharded corpora."""
+"""dataset.py and the data/ prepare scripts: token files, batches, real corpora, sharded corpora (tokenizers:
+test_tokenizer.py)."""
 
 import json
 import os
@@ -12,22 +13,13 @@ import torch
 
 import train
 from conftest import ROOT, SHARED_DATA, TINY_RUN, gpt2_or_skip, make_text, run_main, run_script
-from dataset import (
-    HEADER,
-    BatchSampler,
-    CharTokenizer,
-    DataError,
-    TokenFile,
-    char_tokenizer_for,
-    open_split,
-    read_meta,
-    split_files,
-    write_tokens,
-)
+from configurator import DataError
+from dataset import BatchSampler, HEADER, TokenFile, open_split, read_meta, split_files, write_tokens
+from tokenizer import CharTokenizer
 
 
 def gpt2_tokenizer():
-    from dataset import TiktokenTokenizer
+    from tokenizer import TiktokenTokenizer
 
     try:
         return TiktokenTokenizer("gpt2")
@@ -85,21 +77,6 @@ def test_missing_split_and_meta(tmp_path):
         open_split(str(tmp_path), "train", 65)
     with pytest.raises(DataError, match="no meta.json"):
         read_meta(str(tmp_path))
-
-
-def test_char_round_trip_and_unknown_characters():
-    text = make_text(2000)
-    tok = char_tokenizer_for(text)
-    assert tok.decode(tok.encode(text)) == text
-    with pytest.raises(DataError, match="characters not in the vocabulary: '#@'"):
-        tok.encode("the @ #")
-
-
-def test_gpt2_round_trip():
-    tok = gpt2_tokenizer()
-    text = "Hello world! Ünïcödé, 日本語, emoji 🙂 and\nnew lines."
-    assert tok.decode(tok.encode(text)) == text
-    assert tok.encode("Hello world") == [15496, 995]
 
 
 # ---------------------------------------------------------------------------------------------------

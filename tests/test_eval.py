@@ -45,7 +45,7 @@ def test_a_model_with_zero_logits_scores_log2_vocab_bits_per_token(tmp_path, tra
 
 def test_loss_and_bytes_match_a_hand_computation(trained_run, text_file):
     model, state = load_model(trained_run)
-    from dataset import tokenizer_from_meta
+    from tokenizer import tokenizer_from_meta
 
     ids = torch.tensor(tokenizer_from_meta(state["tokenizer"]).encode(TEXT))
     B = model.config.block_size
@@ -65,7 +65,7 @@ def test_loss_and_bytes_match_a_hand_computation(trained_run, text_file):
 def test_with_a_stride_each_token_is_the_last_position_of_its_own_window(trained_run, text_file, monkeypatch, capsys):
     monkeypatch.setattr(__import__("configurator"), "PROGRESS_SECONDS", 0.0)
     model, state = load_model(trained_run)
-    from dataset import tokenizer_from_meta
+    from tokenizer import tokenizer_from_meta
 
     ids = torch.tensor(tokenizer_from_meta(state["tokenizer"]).encode(TEXT))
     B, stride = model.config.block_size, 5
@@ -101,7 +101,8 @@ def test_bad_input_is_one_line_and_writes_nothing(tmp_path, trained_run, char_da
 
 def test_another_tokenizers_dataset_is_refused(tmp_path, trained_run):
     from conftest import make_text
-    from dataset import char_tokenizer_for, prepare_text
+    from dataset import prepare_text
+    from tokenizer import char_tokenizer_for
 
     text = make_text(5000, seed=9).upper()
     prepare_text(text, char_tokenizer_for(text), str(tmp_path / "upper"))

@@ -44,7 +44,8 @@ def test_export_round_trip_gpt2_bpe(tmp_path):
     transformers = pytest.importorskip("transformers")
     gpt2_or_skip()
     from conftest import make_text
-    from dataset import TiktokenTokenizer, prepare_text
+    from dataset import prepare_text
+    from tokenizer import TiktokenTokenizer
 
     prepare_text(make_text(20_000), TiktokenTokenizer("gpt2"), str(tmp_path / "data"))
     out, hf_dir = tmp_path / "run", tmp_path / "hf"
@@ -81,7 +82,7 @@ def test_export_of_a_character_model_has_a_tokenizer_transformers_loads(tmp_path
     assert "raises 'Missing [UNK] token' on any other character (train with --vocab_size=" in exported.stdout
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir)
     from checkpoint import load_model
-    from dataset import tokenizer_from_meta
+    from tokenizer import tokenizer_from_meta
 
     ours = tokenizer_from_meta(load_model(trained_run)[1]["tokenizer"])
     text = "The king speak thou\nnoble heart."
@@ -134,7 +135,8 @@ def test_own_bpe_end_to_end(tmp_path, bpe_run):
     tokenizer gives our ids and the export our greedy text and figures."""
     transformers = pytest.importorskip("transformers")
     from checkpoint import load_model
-    from dataset import BPETokenizer, read_meta, tokenizer_from_meta
+    from dataset import read_meta
+    from tokenizer import BPETokenizer, tokenizer_from_meta
 
     data, run = bpe_run
     meta = read_meta(data)

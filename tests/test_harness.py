@@ -70,7 +70,8 @@ ARCHITECTURES = {
 
 @pytest.fixture(scope="module")
 def bpe_dataset(tmp_path_factory):
-    from dataset import TiktokenTokenizer, prepare_text
+    from dataset import prepare_text
+    from tokenizer import TiktokenTokenizer
 
     try:
         tokenizer = TiktokenTokenizer("gpt2")

@@ -50,7 +50,8 @@ def test_the_readmes_python_snippet_runs_verbatim(tmp_path):
 
     import train
     from conftest import TINY_RUN, make_text
-    from dataset import char_tokenizer_for, prepare_text
+    from dataset import prepare_text
+    from tokenizer import char_tokenizer_for
 
     text = make_text(20_000) + "\nROMEO:\n"
     prepare_text(text, char_tokenizer_for(text), str(tmp_path / "data"))

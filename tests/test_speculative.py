@@ -255,7 +255,8 @@ def test_sample_py_speculates_to_the_same_text(trained_run, draft_run):
 def test_sample_py_refuses_a_draft_with_another_tokenizer(tmp_path, trained_run):
     import train
     from conftest import make_text
-    from dataset import char_tokenizer_for, prepare_text
+    from dataset import prepare_text
+    from tokenizer import char_tokenizer_for
 
     text = make_text(5000, seed=3).upper()
     prepare_text(text, char_tokenizer_for(text), str(tmp_path / "upper"))

@@ -15,7 +15,8 @@ import torch
 import train
 from checkpoint import load_checkpoint
 from conftest import ROOT, TINY_RUN, fails, make_text, one_error_line, read_metrics, run_main, run_script
-from dataset import HEADER, char_tokenizer_for, prepare_text, write_tokens
+from dataset import HEADER, prepare_text, write_tokens
+from tokenizer import char_tokenizer_for
 
 def run(out_dir, dataset, *extra):
     return train.main([*TINY_RUN, f"--dataset={dataset}", f"--out_dir={out_dir}", *extra])
@@ -217,7 +218,8 @@ def test_wandb_not_logged_in_is_one_line_and_releases_the_lock(tmp_path, char_da
 
 def test_init_from_a_run_folder_fine_tunes_it_with_its_own_tokenizer_only(tmp_path, trained_run, char_dataset, capsys):
     import train
-    from dataset import char_tokenizer_for, prepare_text
+    from dataset import prepare_text
+    from tokenizer import char_tokenizer_for
 
     text = "other characters entirely: 0123456789 +-*/=\n" * 200
     prepare_text(text, char_tokenizer_for(text), str(tmp_path / "digits"))

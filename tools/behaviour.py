@@ -60,7 +60,8 @@ def sample_weights_key():
 
 def record(out):
     sys.path.insert(0, ROOT)
-    from dataset import char_tokenizer_for, prepare_text
+    from dataset import prepare_text
+    from tokenizer import char_tokenizer_for
 
     os.makedirs(out, exist_ok=True)
     text = verse(30_000)

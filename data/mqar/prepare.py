@@ -22,8 +22,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
-from configurator import UserError, fail  # noqa: E402
-from dataset import CharTokenizer, DataError, write_masked  # noqa: E402
+from configurator import DataError, UserError, fail  # noqa: E402
+from dataset import write_masked  # noqa: E402
+from tokenizer import CharTokenizer  # noqa: E402
 
 FIRST = 0x100  # the alphabet's first code point: keys then values, clear of ASCII
 

@@ -11,7 +11,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
-from dataset import TiktokenTokenizer, prepare_corpus_main  # noqa: E402
+from dataset import prepare_corpus_main  # noqa: E402
+from tokenizer import TiktokenTokenizer  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 

@@ -10,7 +10,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
-from dataset import char_tokenizer_for, prepare_corpus_main  # noqa: E402
+from dataset import prepare_corpus_main  # noqa: E402
+from tokenizer import char_tokenizer_for  # noqa: E402
 
 URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 
