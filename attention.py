@@ -357,7 +357,7 @@ class FullKV:
 
 class StaticRows:
     """What every StaticCache shares: its tensors (`fields`, the batch first) as rows a server's batch can
-    take a view of, fill, move and allocate (generate.BatchRows)."""
+    take a view of, fill, move and allocate (engine.BatchRows)."""
 
     fields = ()
 

@@ -11,7 +11,7 @@ Features (each chosen once, in GPTConfig):
   (n_kv_head < n_head); SDPA, or the explicit masked softmax kept as its reference (attn_impl)
 - tied or untied LM head, GPT-2 initialisation, z-loss, label smoothing
 - forward_cached(): the one way through the cache (prompt, then a token per step); decode_rows(): one
-  step of many sequences, each at its own position (serve.py)
+  step of many sequences, each at its own position (engine.py)
 
 Elsewhere: sampling and the decode loop (generate.py, behind GPT.generate and GPT.stream), Hugging Face
 conversion (hf.py, behind from_pretrained/save_pretrained), inference weight formats (quantize.py),

@@ -1,5 +1,5 @@
 """The device tier: every user-facing path on a CUDA GPU (train.py with compile, DDP and FSDP2 under torchrun,
-each resumed; stability and head logging; sample.py sampled, greedy and with both drafts; serve.py's engine;
+each resumed; stability and head logging; sample.py sampled, greedy and with both drafts; engine.py's continuous batching;
 fine-tuning on conversations (full and LoRA, compiled, resumed) with chat.py and eval.py --chats;
 eval.py; interpret.py; bench.py), and no host synchronisation inside a training step. Skips, saying why,
 where there is no GPU; ../shared/gpu-check.sh runs it on a lent one. The GPU machine has torch, tiktoken and
@@ -81,18 +81,18 @@ def test_greedy_text_on_the_gpu_equals_the_cpus(cuda_run):
     assert texts[0] == texts[1]
 
 
-def test_the_serve_engine_on_the_gpu(cuda_run):
-    """serve.py's Engine (no FastAPI needed): a greedy request alone equals model.generate (one row each,
+def test_the_engine_on_the_gpu(cuda_run):
+    """engine.py's Engine (no FastAPI needed): a greedy request alone equals model.generate (one row each,
     so the same kernels), then a sampled and a greedy one batched together both finish."""
     import threading
 
-    import serve
     from checkpoint import load_any
+    from engine import Engine, Job
     from generate import Sampling
 
     model, tokenizer, _ = load_any(cuda_run)
     model = model.to("cuda").eval()
-    engine = serve.Engine(model, max_batch=4, max_queue=4)
+    engine = Engine(model, max_batch=4, max_queue=4)
     prompt = tokenizer.encode("The king")
 
     def serve_all(samplings):
@@ -105,7 +105,7 @@ def test_the_serve_engine_on_the_gpu(cuda_run):
                     done.set()
             return send
 
-        engine.submit([serve.Job(prompt, 30, s, i, [], None, False, tokenizer, sender(i), engine.device)
+        engine.submit([Job(prompt, 30, s, tokenizer=tokenizer, send=sender(i), seed=i, device=engine.device)
                        for i, s in enumerate(samplings)])
         assert done.wait(120), events
         assert all(e[-1][0] == "done" for e in events.values()), events

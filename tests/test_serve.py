@@ -217,41 +217,6 @@ def test_greedy_alone_equals_greedy_in_a_busy_batch(server):
     assert [together[i] for i in range(0, 8, 2)] == [alone[i] for i in range(0, 8, 2)]
 
 
-def test_a_long_prompt_rides_the_running_rows_pass_in_chunks_no_longer_than_them(served_run):
-    """A joining prompt's chunk rides in the decode pass (step_and_prefill) with at most max(RIDE_MIN, rows)
-    tokens, so a long prompt at most about doubles the running streams' step (without the bound: one chunk
-    of 29 tokens beside 2 rows); its text is still greedy's alone, and so are the rows'."""
-    model, tokenizer, _ = load_any(served_run)
-    model.eval()
-    engine = serve.Engine(model, max_batch=4, max_queue=4, prefill_chunk=64, thread=False)
-    passes = []
-    step_and_prefill = engine.batch.step_and_prefill
-
-    def spy(tokens, positions, idx, cache, last=1):
-        passes.append((tokens.size(0), idx.size(1)))
-        return step_and_prefill(tokens, positions, idx, cache, last)
-
-    engine.batch.step_and_prefill = spy
-    texts, prompts = {}, ["The", "Fair", "The king hath sent to Fair and"]
-    greedy = Sampling(temperature=0)
-
-    def job(i, max_tokens):
-        texts[i] = []
-        send = lambda event: texts[i].append(event)  # noqa: E731
-        return serve.Job(tokenizer.encode(prompts[i]), max_tokens, greedy, 0, [], None, False, tokenizer, send)
-
-    engine.submit([job(0, 20), job(1, 20)])
-    engine.run(lambda: engine.steps >= 2)  # two rows running
-    engine.submit([job(2, 3)])
-    engine.run(lambda: all(t and t[-1][0] == "done" for t in texts.values()))
-    long = [chunk for rows, chunk in passes if rows == 2]
-    assert sum(long) == len(tokenizer.encode(prompts[2])) and all(chunk <= serve.RIDE_MIN for chunk in long), passes
-    for i, events in texts.items():
-        ids = tokenizer.encode(prompts[i])
-        alone = model.generate(torch.tensor([ids]), events[-1][2], greedy)[0, len(ids) :].tolist()  # ("done", why, n)
-        assert "".join(e[1] for e in events if e[0] == "text") == tokenizer.decode(alone)
-
-
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 def test_a_client_that_leaves_frees_its_row(served_run, stream):
     import http.client
