@@ -171,16 +171,16 @@ def decode_one_token(model, tokens, pos, caches, noise, sampling):
 
 
 def without_static_step(model):
-    """The model's kinds that have no StaticCache (attention.py), sorted."""
+    """The model's kinds that have no StaticCache (attention/), sorted."""
     return sorted({kind for kind in model.config.layer_kinds if attention.KINDS[kind].StaticCache is None})
 
 
 def check_static(model):
-    """ValueError naming the kinds that have no compiled decode step (attention.py's StaticCache)."""
+    """ValueError naming the kinds that have no compiled decode step (attention/'s StaticCache)."""
     missing = without_static_step(model)
     if missing:
         raise ValueError(f"compile=True decodes through each layer's static cache; {attention.named(missing)} "
-                         "layers have none (StaticCache in attention.py): use compile=False")
+                         "layers have none (StaticCache in attention/): use compile=False")
 
 
 class StaticDecode:

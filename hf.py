@@ -129,7 +129,7 @@ def load_hf_state_dict(directory):
 
 
 # What each transformers architecture computes, in our keys: (its name, what it is, the keys it needs).
-# "attention" is every layer's kind (attention.py's exports_as); "n_head" as a value means n_kv_head = n_head.
+# "attention" is every layer's kind (attention/'s exports_as); "n_head" as a value means n_kv_head = n_head.
 LLAMA_KEYS = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu", "bias": False, "qk_norm": False}
 FAMILY_KEYS = {
     "gpt2": ("GPT-2", "learned positions, LayerNorm, GELU", {"pos_emb": "learned", "norm": "layernorm", "mlp": "gelu",

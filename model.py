@@ -1,12 +1,12 @@
 """
 A GPT language model: the network. Reads top to bottom: config, MLPs, block, loss, model (the norms'
-make_norm is attention.py's, which QK-norm uses too).
+make_norm is attention's (attention/base.py), which QK-norm uses too).
 
 Features (each chosen once, in GPTConfig):
 - positions: learned | rope (linear or YaRN scaling) | sinusoidal | alibi | t5 | none (positions.py)
 - norm: layernorm | rmsnorm, pre-norm (or the 2017 post-norm) blocks, optional QK-norm
 - mlp: gelu (GPT-2's tanh GELU) | swiglu | relu2 | none (attention-only blocks)
-- attention per layer (attn_pattern, a letter each): the kinds of attention.py's registry (full softmax,
+- attention per layer (attn_pattern, a letter each): the kinds of the attention/ package's registry (full softmax,
   sliding window, causal linear attention), each with its own cache; grouped-query attention
   (n_kv_head < n_head); SDPA, or the explicit masked softmax kept as its reference (attn_impl)
 - tied or untied LM head, GPT-2 initialisation, z-loss, label smoothing
@@ -110,7 +110,7 @@ class GPTConfig(ModelKeys):
         if self.t5_buckets < 2 or self.t5_max_distance <= self.t5_buckets // 2:
             raise ValueError(f"GPTConfig.t5_buckets={self.t5_buckets} must be >= 2 and t5_max_distance="
                              f"{self.t5_max_distance} above half of it (the exact buckets)")
-        attention.check(self)
+        attention.check_pattern(self)
         if not 0.0 <= self.label_smoothing < 1.0:
             raise ValueError(f"GPTConfig.label_smoothing={self.label_smoothing} must be in [0, 1) (0 = off)")
         if self.mlp_hidden is None:
@@ -392,7 +392,7 @@ class GPT(nn.Module):
         return self.norm_f(x)
 
     def masks(self, start, T, device):
-        """Each kind's attention mask (attention.py) for T queries from position start, made once and
+        """Each kind's attention mask (attention/) for T queries from position start, made once and
         shared by the kind's layers."""
         dropout = self.training and self.config.dropout > 0
         return {letter: attention.layer_mask(kind, self.config, self.positions, start, T, device, dropout)

@@ -1,4 +1,4 @@
-"""attention.py: the attention kinds (sliding windows and their rolling cache, causal linear attention's state)
+"""attention/: the attention kinds (sliding windows and their rolling cache, causal linear attention's state)
 and the registry: a kind registered from outside the project runs everywhere."""
 
 from dataclasses import replace
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import attention
-from attention import linear_attention_chunk
+from attention.linear import linear_attention_chunk
 from conftest import ROOT, TINY_RUN, build, run_main, tiny
 from generate import Sampling, next_logits
 from model import GPT, GPTConfig
@@ -301,6 +301,69 @@ def test_a_kind_registered_from_outside_runs_everywhere(gated_kind):
     assert model.flops_per_token(100) == 6 * matmuls + 12 * 32 * (100 + (64 + 8))  # L: all 100 keys; G: chunk + head
 
 
+COPIED = {"L": {}, "S": dict(attn_window=5), "R": dict(pos_emb="rope"), "D": dict(pos_emb="rope"), "N": dict(pos_emb="none"),
+          "M": dict(pos_emb="none")}
+
+
+@pytest.mark.parametrize("letter", list(COPIED))
+def test_a_kind_copied_under_a_new_letter_builds_trains_and_gives_its_logits(letter):
+    """Every built-in kind, subclassed from outside under a new letter with nothing else changed: the model
+    builds with the copy's weights in the same places, gives the original's logits bit for bit (cached
+    generation included), and one training step moves both alike. What registration does not inherit
+    (exports_as, StaticCache) stays off for the copy."""
+    import attention
+
+    copy = type(f"Copy{letter}", (attention.KINDS[letter],), {"letter": "X", "description": f"a copy of {letter}"})
+    attention.register(copy)
+    try:
+        keys = dict(n_layer=2, **COPIED[letter])
+        original, twin = build(attn_pattern=f"L{letter}", **keys), build(attn_pattern="LX", **keys)
+        twin.load_state_dict(original.state_dict())  # strict: the same parameters under the same names
+        assert type(twin.blocks[1].attn) is copy and copy.exports_as is None and copy.StaticCache is None
+        x, y = torch.randint(0, 61, (2, 20)), torch.randint(0, 61, (2, 20))
+        assert torch.equal(original(x)[0], twin(x)[0])
+        losses = []
+        for model in (original, twin):
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            loss = model(x, y)[1]
+            loss.backward()
+            optimizer.step()
+            losses.append((loss.item(), model(x, y)[1].item()))
+        assert losses[0] == losses[1] and losses[0][1] < losses[0][0]
+        original.eval(), twin.eval()
+        assert torch.equal(original.generate(x[:, :4], 12, GREEDY), twin.generate(x[:, :4], 12, GREEDY))
+    finally:
+        attention.KINDS.pop("X", None)
+
+
+def test_a_plug_in_that_breaks_the_protocol_fails_at_its_boundary():
+    """A kind whose mix returns the wrong shape is named when its layer runs (not deep inside SDPA), and a
+    cache class without the protocol's attributes is refused when the kind registers."""
+    import attention
+
+    class Flat(attention.KINDS["L"]):
+        letter, description = "X", "a test's kind that forgets its heads"
+
+        def mix(self, q, k, v, gates, start, mask, cache, positions):
+            return super().mix(q, k, v, gates, start, mask, cache, positions).transpose(1, 2)
+
+    class NoRewind:
+        bounded = False
+
+    class Uncached(attention.KINDS["L"]):
+        letter, description, Cache = "Y", "a test's kind with half a cache", NoRewind
+
+    attention.register(Flat)
+    try:
+        with pytest.raises(ValueError, match=r"attention kind X \(Flat\): mix/step returned \(2, 12, 4, 8\)"):
+            build(n_layer=1, attn_pattern="X")(torch.randint(0, 61, (2, 12)))
+        with pytest.raises(ValueError, match="Uncached.Cache=NoRewind lacks rewinds, rewind, nbytes"):
+            attention.register(Uncached)
+        assert "Y" not in attention.KINDS
+    finally:
+        attention.KINDS.pop("X", None)
+
+
 def test_a_kind_registered_from_outside_trains_samples_and_is_refused_speculation(gated_kind, char_dataset, tmp_path):
     """The same kind through the scripts: train.py trains and checkpoints it, sample.py samples from the
     checkpoint, and speculative decoding refuses it in one line because its cache cannot roll back."""
@@ -362,14 +425,14 @@ def test_flex_attention_forward_equals_sdpa_with_the_dense_mask(monkeypatch, cas
     model = build(**case).requires_grad_(False)
     idx = torch.randint(0, model.config.vocab_size, (2, model.config.block_size), generator=torch.Generator().manual_seed(0))
     dense = model(idx)[0]
-    monkeypatch.setattr(attention, "FLEX_DEVICES", ("cpu",))
+    monkeypatch.setattr(attention.kernels, "FLEX_DEVICES", ("cpu",))
     # the unfused form of the same mask_mod and score_mod: their semantics (compiled, the whole model gave
     # the same to 1.2e-7 on CPU; compiling costs 15-20 s cold here, and the GPU tier compiles it)
-    monkeypatch.setattr(attention, "flex_kernel", lambda: flex_attention)
+    monkeypatch.setattr(attention.kernels, "flex_kernel", lambda: flex_attention)
     calls = []
-    monkeypatch.setattr(attention, "attention_flex", lambda *a: calls.append(a[3]) or real_flex(*a))
+    monkeypatch.setattr(attention.kernels, "attention_flex", lambda *a: calls.append(a[3]) or real_flex(*a))
     flex = model(idx)[0]
-    assert len(calls) == flex_layers and all(isinstance(m, attention.FlexMask) for m in calls)
+    assert len(calls) == flex_layers and all(isinstance(m, attention.kernels.FlexMask) for m in calls)
     assert (flex - dense).abs().max().item() < 1e-5
     q = torch.randn(2, model.config.n_head, idx.size(1), 16)  # the explicit path (interpret.py) takes it densely
     assert torch.equal(attention.attention_scores(q, q, calls[0]), attention.attention_scores(q, q, calls[0].dense()))
@@ -380,7 +443,7 @@ def test_flex_attention_forward_equals_sdpa_with_the_dense_mask(monkeypatch, cas
     assert len(calls) == flex_layers and torch.allclose(shorter, dense[:, :-1], atol=1e-5) and narrow.isfinite().all()
 
 
-real_flex = attention.attention_flex
+real_flex = attention.kernels.attention_flex
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -389,7 +452,7 @@ real_flex = attention.attention_flex
 
 @pytest.mark.parametrize("gates", ["per head (retention)", "per token (Mamba-2, GLA)"])
 def test_a_decaying_chunked_form_is_its_recurrence_and_the_naive_sum(gates):
-    from attention import decay_chunk
+    from attention.linear import decay_chunk
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, 70, 5, generator=g, dtype=torch.float64) for _ in range(3))
@@ -429,7 +492,7 @@ def test_retention_refuses_bias_positions_and_speculation():
 
 
 # ---------------------------------------------------------------------------------------------------
-# The gated delta rule's core (attention.gated_delta_chunk), against a naive loop and transformers'
+# The gated delta rule's core (attention.delta.gated_delta_chunk), against a naive loop and transformers'
 
 
 def gated_delta_inputs(T, dtype, seed=0):
@@ -458,7 +521,7 @@ def chunked_gated_delta(q, k, v, gate, beta, chunk):
     state, ys = None, []
     for a in range(0, q.size(2), chunk):
         part = slice(a, a + chunk)
-        y, state = attention.gated_delta_chunk(q[:, :, part], k[:, :, part], v[:, :, part], gate[:, :, part], beta[:, :, part], state)
+        y, state = attention.delta.gated_delta_chunk(q[:, :, part], k[:, :, part], v[:, :, part], gate[:, :, part], beta[:, :, part], state)
         ys.append(y)
     return torch.cat(ys, 2), state
 

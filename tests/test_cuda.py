@@ -187,7 +187,7 @@ def test_flex_attention_trains_as_sdpa_with_the_dense_mask(monkeypatch, case):
     from conftest import build
 
     def loss_and_grads(flex):
-        monkeypatch.setattr(attention, "FLEX_DEVICES", ("cuda",) if flex else ())
+        monkeypatch.setattr(attention.kernels, "FLEX_DEVICES", ("cuda",) if flex else ())
         model = build(**case, block_size=64).cuda().train()
         idx = torch.randint(0, 61, (4, 65), generator=torch.Generator().manual_seed(0)).cuda()
         loss = model(idx[:, :-1], idx[:, 1:])[1]
@@ -195,7 +195,7 @@ def test_flex_attention_trains_as_sdpa_with_the_dense_mask(monkeypatch, case):
         return loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
     calls = []
-    monkeypatch.setattr(attention, "attention_flex", lambda *a, real=attention.attention_flex: calls.append(1) or real(*a))
+    monkeypatch.setattr(attention.kernels, "attention_flex", lambda *a, real=attention.kernels.attention_flex: calls.append(1) or real(*a))
     dense_loss, dense = loss_and_grads(False)
     assert not calls
     flex_loss, flex = loss_and_grads(True)
