@@ -166,7 +166,7 @@ class Engine:
                 self.guarded(job, self.prefill)
                 riding = None
             if self.rows or self.sliding:
-                self.step(riding)
+                self.decode(riding)
             if job is not None and (job.cache is None or job.finish_reason is not None):  # its prompt is done (or it failed)
                 self.joining.popleft()
             self.outbox.flush()
@@ -242,11 +242,11 @@ class Engine:
                 self.rows.append(job)
 
     @torch.no_grad()
-    def step(self, joining=None):
+    def decode(self, joining=None):
         """One token for every row: the batch's decode step (and, for rows whose text has outgrown the
         model's context, their last block_size tokens afresh, as generate() and sample.py do past
         block_size: every cached key is stale there), then one sampling call per setting. With a joining
-        job, the next chunk of its prompt goes through the same pass (BatchRows.step_and_prefill: the weights
+        job, the next chunk of its prompt goes through the same pass (BatchRows.decode_and_prefill: the weights
         read once for both)."""
         for i in reversed(range(len(self.rows))):
             if self.past_context(self.rows[i]):
@@ -262,9 +262,9 @@ class Engine:
                 tokens = torch.tensor([[job.tokens[-1]] for job in self.rows], device=self.device)
                 positions = [len(job.prompt) + len(job.tokens) - 1 for job in self.rows]
                 if joining is None:
-                    logits.append(self.batch.step(tokens, positions))
+                    logits.append(self.batch.decode(tokens, positions))
                 else:
-                    decoded, chunk_logits = self.batch.step_and_prefill(tokens, positions, *self.chunk(joining, len(self.rows)))
+                    decoded, chunk_logits = self.batch.decode_and_prefill(tokens, positions, *self.chunk(joining, len(self.rows)))
                     logits.append(decoded)
             logits.extend(self.slide(job)[None] for job in self.sliding)
             logits = torch.cat(logits)
@@ -346,13 +346,13 @@ class BatchRows:
             for layer in self.layers:
                 layer.move(self.n, row)
 
-    def step(self, tokens, positions):
+    def decode(self, tokens, positions):
         """tokens (n, 1) at positions (a list of n ints) -> logits (n, vocab). Full layers attend over the
         positions up to the longest row's, not their whole capacity."""
         return self.model.decode_static(*self.inputs(tokens, positions))
 
-    def step_and_prefill(self, tokens, positions, idx, cache, last=1):
-        """step(), and in the same pass idx (1, T) into a joining sequence's own cache (GPT.decode_and_prefill)
+    def decode_and_prefill(self, tokens, positions, idx, cache, last=1):
+        """decode(), and in the same pass idx (1, T) into a joining sequence's own cache (GPT.decode_and_prefill)
         -> (logits (n, vocab), idx's last `last` logits (1, last, vocab))."""
         return self.model.decode_and_prefill(*self.inputs(tokens, positions), idx, cache, last)
 
@@ -379,12 +379,12 @@ class DynamicRows:
         if row < len(self.caches):
             self.caches[row] = last
 
-    def step(self, tokens, positions):
+    def decode(self, tokens, positions):
         return self.model.decode_rows(tokens, self.caches)
 
-    def step_and_prefill(self, tokens, positions, idx, cache, last=1):
-        """step() and the prefill of idx, one after the other (decode_rows has no shared pass)."""
-        return self.step(tokens, positions), self.model.forward_cached(idx, cache, last)
+    def decode_and_prefill(self, tokens, positions, idx, cache, last=1):
+        """decode() and the prefill of idx, one after the other (decode_rows has no shared pass)."""
+        return self.decode(tokens, positions), self.model.forward_cached(idx, cache, last)
 
 
 def row_batch(model, max_rows):

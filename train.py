@@ -202,14 +202,15 @@ def train(c, explicit, script=False, chosen=None):
             # one optimizer step, logged every log_interval steps
             if not stopping:
                 lr = get_lr(it, c)
-                loss_sum, ce_sum, grad_norm, first_bad, skipped = run.step(it, lr, first_bad)
-                if skipped:
+                result = run.train_step(it, lr, first_bad)
+                first_bad = result.first_bad
+                if result.skipped:
                     logger.print(f"iteration {it}: non-finite loss or gradient norm, step skipped")
-                logger.step()
+                logger.tick()
                 if it % c.log_interval == 0 or it == c.max_iters - 1:
                     now = time.perf_counter()
-                    record, line = step_record(run, it, lr, loss_sum, ce_sum, grad_norm, skipped, now - last_log_time,
-                                               it + 1 - last_log_iter, state.elapsed())
+                    record, line = step_record(run, it, lr, result, now - last_log_time, it + 1 - last_log_iter,
+                                               state.elapsed())
                     check_finite(first_bad, ckpt_path)
                     logger.log(record, line)
                     last_log_time, last_log_iter = now, it + 1
@@ -249,16 +250,29 @@ def train(c, explicit, script=False, chosen=None):
 class Run:
     """One process's share of a training run: its device and process group, data, model (wrapped for
     compile and DDP/FSDP2), optimizers and loss scaler, with what the step loop does to them: evaluate()
-    and step(). Saving and restoring them is checkpoint.RunState's. train_config is the TrainConfig
+    and train_step(). Saving and restoring them is checkpoint.RunState's. train_config is the TrainConfig
     that runs (the model's keys as the model has them), model_config the model's GPTConfig."""
 
     def __init__(self, c, explicit, ckpt):
-        # device, processes, precision
+        self.open_processes(c)
+        self.choose_precision(c, ckpt)
+        self.check_layout(c)
+        torch.manual_seed(c.seed)  # the same initial weights in every process (FSDP2 does not broadcast them)
+        c = self.build_model(c, explicit, ckpt)
+        torch.manual_seed(c.seed + self.world.rank)  # then a dropout stream of its own per process
+        self.open_data(c)
+        self.place_model(c)
+
+    def open_processes(self, c):
+        """The device and the process group (one process, or torchrun's)."""
         self.device_type = pick_device(c.device)
-        self.world = world = Dist(self.device_type, c.dist_timeout)
-        self.device = f"cuda:{world.local_rank}" if self.device_type == "cuda" else self.device_type
+        self.world = Dist(self.device_type, c.dist_timeout)
+        self.device = f"cuda:{self.world.local_rank}" if self.device_type == "cuda" else self.device_type
         if self.device_type == "cuda":
             torch.cuda.set_device(self.device)  # (pick_device allowed TF32)
+
+    def choose_precision(self, c, ckpt):
+        """The compute dtype and Muon's Newton-Schulz dtype, and the log line that says why."""
         # precision: as set, or measured at the run's start and kept by every resume (a measurement near
         # the threshold could otherwise flip it between starts, and the run would not continue bit for bit)
         kept = (ckpt or {}).get("precision")
@@ -271,6 +285,10 @@ class Run:
         how = "kept from the checkpoint's start" if kept else "chosen" if c.dtype == "auto" else "as set"
         muon = f", Muon's Newton-Schulz in {str(self.newton_schulz).removeprefix('torch.')}" if c.optimizer == "muon" else ""
         self.precision_line = f"precision: {self.dtype} ({how}){muon} | {fast.why}"
+
+    def check_layout(self, c):
+        """ConfigError for what the process layout cannot run; the micro-steps each process takes."""
+        world = self.world
         if c.gradient_accumulation_steps % world.size:
             raise ConfigError(f"gradient_accumulation_steps={c.gradient_accumulation_steps} must be divisible by "
                               f"the number of processes ({world.size})")
@@ -283,11 +301,10 @@ class Run:
         if c.fsdp and c.optimizer == "muon":
             raise ConfigError("optimizer=muon does not support sharded (FSDP2) parameters; use DDP (fsdp=False)")
         self.micro_steps = c.gradient_accumulation_steps // world.size
-        torch.manual_seed(c.seed)  # the same initial weights in every process (FSDP2 does not broadcast them)
 
-        # data and model
-        data_dir = resolve_dataset(c.dataset)
-        self.data_meta = read_meta(data_dir)
+    def build_model(self, c, explicit, ckpt):
+        """The model (a checkpoint's weights loaded, LoRA applied) on the CPU; returns the config that runs."""
+        self.data_meta = read_meta(resolve_dataset(c.dataset))
         self.notes = []
         model, self.lora = build_model(c, explicit, self.data_meta, ckpt, self.notes)
         self.model_config = config = model.config
@@ -295,8 +312,13 @@ class Run:
             raise DataError(f"dataset {c.dataset!r} has a vocabulary of {self.data_meta['vocab_size']}, more than "
                             f"the model's vocab_size={config.vocab_size}")
         self.train_config = c = replace(c, **asdict(config))  # what actually runs, recorded in the checkpoint
-        torch.manual_seed(c.seed + world.rank)  # then a dropout stream of its own per process
         self.chat = is_masked_dataset(self.data_meta)  # conversations: trained where the mask says (ConversationSampler)
+        self.raw_model = model
+        return c
+
+    def open_data(self, c):
+        """The batch samplers (token files, or conversations with their loss mask) and bits per byte's table."""
+        config, data_dir = self.model_config, resolve_dataset(c.dataset)
         if self.chat:
             def sampler(split, seed):
                 return ConversationSampler(data_dir, split, config.block_size, seed, self.data_meta["vocab_size"])
@@ -312,6 +334,9 @@ class Run:
         except DataError:
             self.token_bytes = None
 
+    def place_model(self, c):
+        """The model on its device (sharded under FSDP2), its optimizers, loss scaler and autocast."""
+        model, world = self.raw_model, self.world
         # Full weights (a checkpoint's were loaded by build_model) before sharding; FSDP2 then shards them in
         # place, and the optimizer must see the sharded parameters.
         model.to(self.device)
@@ -327,8 +352,7 @@ class Run:
                 if c.compile:  # each block compiled before it is sharded (torchtitan's order; FSDP2's hooks are
                     block.compile()  # kept out of the graph by dynamo's skip_fsdp_hooks)
                 fully_shard(block, mp_policy=policy)
-            fully_shard(model, mp_policy=policy)
-        self.raw_model = model
+            fully_shard(model, mp_policy=policy)  # (in place: raw_model is the sharded model)
         shard = (world.rank, world.size) if world.enabled and not c.fsdp else None  # Muon's work shared out
         self.optimizers = build_optimizers(model, c, self.device_type, self.newton_schulz, shard)
         self.scaler = torch.amp.GradScaler(self.device_type, enabled=self.dtype == "float16")
@@ -407,10 +431,12 @@ class Run:
         self.model.train()
         return result
 
-    def step(self, iter_num, lr, first_bad):
-        """One optimizer step over gradient_accumulation_steps micro-batches. Returns the summed loss and
-        cross-entropy (on the device: no host sync), the gradient norm, the updated first-bad-step tensor
-        and whether the step was skipped as non-finite."""
+    def train_step(self, iter_num, lr, first_bad):
+        """One optimizer step over gradient_accumulation_steps micro-batches.
+
+        Returns a StepResult: the summed loss and cross-entropy (on the device: no host sync), the gradient
+        norm, the updated first-bad-step tensor and whether the step was skipped as non-finite.
+        """
         c, world, micro_steps = self.train_config, self.world, self.micro_steps
         for optimizer in self.optimizers:
             for group in optimizer.param_groups:
@@ -448,7 +474,7 @@ class Run:
         self.scaler.update()
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)
-        return loss_sum, ce_sum, grad_norm, first_bad, skipped
+        return StepResult(loss_sum, ce_sum, grad_norm, first_bad, skipped)
 
 
 def conversation_notes(sampler, block_size):
@@ -474,20 +500,31 @@ def check_finite(first_bad, ckpt_path):
                         "skip_nonfinite=True to skip such steps)")
 
 
-def step_record(run, iter_num, lr, loss_sum, ce_sum, grad_norm, skipped, seconds, steps, elapsed):
+@dataclass
+class StepResult:
+    """What Run.train_step gives back, on the device (reading a value is a host sync: step_record's)."""
+
+    loss_sum: torch.Tensor  # the micro-steps' losses, summed
+    ce_sum: torch.Tensor  # and their plain cross-entropies
+    grad_norm: torch.Tensor  # before clipping
+    first_bad: torch.Tensor  # the first step whose loss or gradient was not finite (-1: none yet)
+    skipped: bool  # skip_nonfinite dropped this step
+
+
+def step_record(run, iter_num, lr, result, seconds, steps, elapsed):
     """The log record and line of a step (the only host sync of a step happens here)."""
     config, world = run.model_config, run.world
-    loss = world.mean(loss_sum / run.micro_steps).item()
-    ce = world.mean(ce_sum / run.micro_steps).item()
+    loss = world.mean(result.loss_sum / run.micro_steps).item()
+    ce = world.mean(result.ce_sum / run.micro_steps).item()
     tokens_per_sec = steps * tokens_per_step(run.train_config) / max(seconds, 1e-9)
     mfu = estimate_mfu(run.raw_model, tokens_per_sec / world.size, config.block_size, run.device, dtype=run.dtype)
-    record = {"iter": iter_num, "loss": loss, "ce": ce, "lr": lr, "grad_norm": grad_norm.item(),
+    record = {"iter": iter_num, "loss": loss, "ce": ce, "lr": lr, "grad_norm": result.grad_norm.item(),
               "tokens_per_sec": tokens_per_sec, "ms_per_iter": 1000 * seconds / steps, "elapsed": elapsed}
     if config.z_loss > 0 and not config.label_smoothing:
         record["z_loss_term"] = loss - ce
     if mfu is not None:
         record["mfu"] = mfu
-    if skipped:
+    if result.skipped:
         record["skipped"] = True
     line = (f"iter {iter_num}: loss {loss:.4f}" + (f" (ce {ce:.4f})" if config.z_loss or config.label_smoothing else "")
             + f", lr {lr:.2e}, grad norm {record['grad_norm']:.3f}, {tokens_per_sec:,.0f} tok/s"
@@ -670,7 +707,8 @@ class Logger:
         if self.wandb:
             self.wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
 
-    def step(self):
+    def tick(self):
+        """One step done: the progress bar moves."""
         if self.bar:
             self.bar.update(1)
 

@@ -22,9 +22,9 @@ code asks a kind only through this protocol (defaults in Attention), never by it
                             bounded runs past block_size, with relative positions); new_cache(max_len) makes one
   StaticCache               its cache for a compiled decode step (generate.StaticDecode), or None: tensors
                             preallocated for a batch whose rows each have their own position; never
-                            inherited (register() sets None), as a subclass that changes mix needs its own step
+                            inherited (register() sets None), as a subclass that changes mix needs its own decode_one
   static_cache(cache, length, max_len)   a StaticCache holding what the (dynamic) cache holds after a prefill
-  step(q, k, v, gates, pos, cache, positions)   one token per row, row b at position pos[b] (a (B,) tensor),
+  decode_one(q, k, v, gates, pos, cache, positions)   one token per row, row b at position pos[b] (a (B,) tensor),
                             through a StaticCache: a pure function of tensors, so it compiles with fullgraph
   seq_dim                   the time axis of heads()'s outputs: 2 for (B, H, T, D), the default; what a kind
                             computes before its heads (GatedDeltaNet's convolution input, (B, T, channels)): 1
@@ -33,7 +33,7 @@ code asks a kind only through this protocol (defaults in Attention), never by it
   mix(q, k, v, gates, start, mask, cache, positions)   heads (B, H, T, D) of positions start.. -> outputs
 
 Which forward path runs a kind, which cache it goes through, and who calls it (all written once, in
-base.py's Attention, over the kind's mix and step):
+base.py's Attention, over the kind's mix and decode_one):
 
   path            tokens                                    cache                   caller
   forward         a batch at one position                   the kind's Cache, None  GPT.forward, forward_cached

@@ -1,7 +1,7 @@
 """
 What every attention kind shares: the Attention module (one q/k/v projection, optional QK-norm, the
 output projection; forward, forward_rows, forward_static and forward_mixed written once for every kind
-over its mix and step), and StaticRows, what every StaticCache shares.
+over its mix and decode_one), and StaticRows, what every StaticCache shares.
 """
 
 import torch
@@ -79,16 +79,16 @@ class Attention(nn.Module):
     def forward_static(self, x, positions, pos, cache):
         """x (B, 1, C): row b one token at position pos[b], through a StaticCache (GPT.decode_static)."""
         q, k, v = self.heads(x)
-        return self.out(self.step(q, k, v, self.gates(x), pos, cache, positions), x)
+        return self.out(self.decode_one(q, k, v, self.gates(x), pos, cache, positions), x)
 
     def forward_mixed(self, x, n, positions, pos, static, start, mask, cache):
         """x (n + T, 1, C), one token per row: rows :n decoded tokens of their own sequences at positions pos,
         through the StaticCache `static` (forward_static's way), rows n: the next T tokens of one sequence
         from position start, through its cache (forward's way). The projections run once for all n + T
-        tokens (GPT.decode_and_prefill); step and mix each take their part."""
+        tokens (GPT.decode_and_prefill); decode_one and mix each take their part."""
         q, k, v = self.heads(x)
         gates = self.gates(x)
-        rows = self.step(*each((q, k, v), lambda t: t[:n]), each(gates, lambda t: t[:n]), pos, static, positions)
+        rows = self.decode_one(*each((q, k, v), lambda t: t[:n]), each(gates, lambda t: t[:n]), pos, static, positions)
         seq = self.mix(*each((q, k, v), lambda t: t[n:].transpose(0, self.seq_dim)),
                        each(gates, lambda t: t[n:].transpose(0, 1)), start, mask, cache, positions)
         return self.out(torch.cat([rows, seq.transpose(0, 2)]), x)
@@ -106,11 +106,11 @@ class Attention(nn.Module):
     def out(self, y, x):
         """The heads' outputs y (B, n_head, T, D) for the block input x (B, T, C) -> the layer's output (B, T, C).
 
-        A kind whose mix or step returns another shape fails here, naming itself, not deep inside a kernel.
+        A kind whose mix or decode_one returns another shape fails here, naming itself, not deep inside a kernel.
         """
         B, T, _ = x.shape
         if y.shape != (B, self.n_head, T, self.head_dim):
-            raise ValueError(f"attention kind {self.letter} ({type(self).__name__}): mix/step returned {tuple(y.shape)}; "
+            raise ValueError(f"attention kind {self.letter} ({type(self).__name__}): mix/decode_one returned {tuple(y.shape)}; "
                              f"the protocol wants (batch, n_head, tokens, head_dim) = {(B, self.n_head, T, self.head_dim)}")
         return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)))
 

@@ -159,7 +159,7 @@ class GatedDeltaNet(Attention):
     def static_cache(self, cache, length, max_len):
         return self.StaticCache(*(t.clone() for t in cache.state))
 
-    def step(self, q, k, v, gates, pos, cache, positions):
+    def decode_one(self, q, k, v, gates, pos, cache, positions):
         z, beta, g = gates
         dtype = z.dtype
         with torch.autocast(q.device.type, enabled=False):
@@ -182,7 +182,7 @@ class GatedLinearAttention(GatedDeltaNet):
     convolution's last inputs as its cache."""
 
     letter, description = "M", "linear attention with a data-dependent decay (Mamba-2's, GLA's scalar gate)"
-    StaticCache = StaticDeltaState  # (its step is N's, through its own core)
+    StaticCache = StaticDeltaState  # (its decode_one is N's, through its own core)
 
     def __init__(self, config):
         super().__init__(config)

@@ -102,7 +102,7 @@ class LinearAttention(Attention):
     def static_cache(self, cache, length, max_len):
         return self.StaticCache(cache.state[0].clone(), cache.state[1].clone())
 
-    def step(self, q, k, v, gates, pos, cache, positions):
+    def decode_one(self, q, k, v, gates, pos, cache, positions):
         """The recurrence of linear_attention_chunk's decoded token, its sums updated in place."""
         with torch.autocast(q.device.type, enabled=False):
             q, k, v = self.features(q, k, v)
@@ -189,7 +189,7 @@ class RetentionAttention(LinearAttention):
     def static_cache(self, cache, length, max_len):
         return self.StaticCache(cache.state[0].clone())
 
-    def step(self, q, k, v, gates, pos, cache, positions):
+    def decode_one(self, q, k, v, gates, pos, cache, positions):
         dtype = v.dtype
         with torch.autocast(q.device.type, enabled=False):
             q, k, v = self.features(q, k, v)

@@ -98,7 +98,7 @@ class FullAttention(Attention):
     def static_cache(self, cache, length, max_len):
         return self.StaticCache(cache.k[:, :, :length], cache.v[:, :, :length]).grow(max_len)
 
-    def step(self, q, k, v, gates, pos, cache, positions):
+    def decode_one(self, q, k, v, gates, pos, cache, positions):
         """Every slot of the static cache, those after a row's position (or empty) masked off."""
         q, k = positions.rotate_at(q, k, pos)
         cache.write(pos, k, v)

@@ -355,7 +355,7 @@ def test_a_plug_in_that_breaks_the_protocol_fails_at_its_boundary():
 
     attention.register(Flat)
     try:
-        with pytest.raises(ValueError, match=r"attention kind X \(Flat\): mix/step returned \(2, 12, 4, 8\)"):
+        with pytest.raises(ValueError, match=r"attention kind X \(Flat\): mix/decode_one returned \(2, 12, 4, 8\)"):
             build(n_layer=1, attn_pattern="X")(torch.randint(0, 61, (2, 12)))
         with pytest.raises(ValueError, match="Uncached.Cache=NoRewind lacks rewinds, rewind, nbytes"):
             attention.register(Uncached)

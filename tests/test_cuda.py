@@ -159,12 +159,12 @@ def test_a_training_step_makes_no_host_synchronisation(char_dataset, tmp_path, w
     run = train.Run(c, explicit, None)
     run.wrap()
     first_bad = torch.full((), -1, dtype=torch.long, device=run.device)
-    run.step(0, 1e-3, first_bad)  # warm: lazy initialisation may synchronise once
+    run.train_step(0, 1e-3, first_bad)  # warm: lazy initialisation may synchronise once
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for it in range(1, 4):
-            first_bad = run.step(it, 1e-3, first_bad)[3]
+            first_bad = run.train_step(it, 1e-3, first_bad).first_bad
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert int(first_bad) == -1

@@ -80,7 +80,7 @@ def test_a_batch_of_rows_at_their_own_lengths_decodes_each_as_alone(case):
                                   dict(pos_emb="rope", attn_pattern="SRDNM", n_layer=5, attn_window=4)],
                          ids=["learned", "alibi", "t5", "gqa", "every bounded kind"])
 def test_a_prompt_chunk_in_the_batchs_pass_equals_its_own_prefill(case):
-    """BatchRows.step_and_prefill (GPT.decode_and_prefill: the rows' step and a joining prompt's chunk as
+    """BatchRows.decode_and_prefill (GPT.decode_and_prefill: the rows' step and a joining prompt's chunk as
     rows of one pass): the rows' logits are step()'s, the chunk's are forward_cached's, and both caches
     go on as if each had run alone."""
     import copy
@@ -97,19 +97,19 @@ def test_a_prompt_chunk_in_the_batchs_pass_equals_its_own_prefill(case):
         tokens, prompt = torch.randint(0, 61, (3, 1), generator=g), torch.randint(0, 61, (1, 7), generator=g)
         mixed, alone = model.new_cache(), model.new_cache()
         model.forward_cached(prompt[:, :2], mixed), model.forward_cached(prompt[:, :2], alone)  # a chunk came before
-        rows, chunk = batch.step_and_prefill(tokens, lengths, prompt[:, 2:], mixed, last=5)
+        rows, chunk = batch.decode_and_prefill(tokens, lengths, prompt[:, 2:], mixed, last=5)
         assert rows.shape == (3, 61) and chunk.shape == (1, 5, 61) and mixed.length == 7
-        assert torch.allclose(rows, alone_batch.step(tokens, lengths), atol=1e-5)
+        assert torch.allclose(rows, alone_batch.decode(tokens, lengths), atol=1e-5)
         assert torch.allclose(chunk, model.forward_cached(prompt[:, 2:], alone, last=5), atol=1e-5)
         after, lengths = torch.randint(0, 61, (3, 1), generator=g), [n + 1 for n in lengths]
-        assert torch.allclose(batch.step(after, lengths), alone_batch.step(after, lengths), atol=1e-5)
+        assert torch.allclose(batch.decode(after, lengths), alone_batch.decode(after, lengths), atol=1e-5)
         assert torch.allclose(model.forward_cached(after[:1], mixed), model.forward_cached(after[:1], alone), atol=1e-5)
 
 
 def step_rows(model, batch, rows, g):
     """One batch step of random tokens, each row's logits against its own cache's: the largest difference."""
     tokens = torch.randint(0, 61, (len(rows), 1), generator=g)
-    logits = batch.step(tokens, [r["length"] for r in rows])
+    logits = batch.decode(tokens, [r["length"] for r in rows])
     worst = 0.0
     for r, token, row in zip(rows, tokens, logits):
         worst = max(worst, (model.forward_cached(token[None], r["alone"])[0, -1] - row).abs().max().item())
@@ -118,20 +118,20 @@ def step_rows(model, batch, rows, g):
 
 
 def test_a_long_prompt_rides_the_running_rows_pass_in_chunks_no_longer_than_them(trained_run):
-    """A joining prompt's chunk rides in the decode pass (step_and_prefill) with at most max(RIDE_MIN, rows)
+    """A joining prompt's chunk rides in the decode pass (decode_and_prefill) with at most max(RIDE_MIN, rows)
     tokens, so a long prompt at most about doubles the running streams' step (without the bound: one chunk
     of 29 tokens beside 2 rows); its text is still greedy's alone, and so are the rows'."""
     model, tokenizer, _ = load_any(trained_run)
     model.eval()
     engine = Engine(model, max_batch=4, max_queue=4, prefill_chunk=64, thread=False)
     passes = []
-    step_and_prefill = engine.batch.step_and_prefill
+    decode_and_prefill = engine.batch.decode_and_prefill
 
     def spy(tokens, positions, idx, cache, last=1):
         passes.append((tokens.size(0), idx.size(1)))
-        return step_and_prefill(tokens, positions, idx, cache, last)
+        return decode_and_prefill(tokens, positions, idx, cache, last)
 
-    engine.batch.step_and_prefill = spy
+    engine.batch.decode_and_prefill = spy
     texts, prompts = {}, ["The", "Fair", "The king hath sent to Fair and"]
     greedy = Sampling(temperature=0)
 
