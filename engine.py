@@ -1,6 +1,8 @@
 """
-Continuous batching: requests in, tokens out, one decode loop. serve.py puts HTTP in front of it; nothing
-here knows HTTP, so a test or another front end drives it directly.
+Continuous batching: requests in, tokens out, one decode loop.
+
+serve.py puts HTTP in front of it; nothing here knows HTTP, so a test or another front end drives it
+directly.
 
 How requests share the model (as Orca, vLLM and llama.cpp's slots do it): the Engine keeps a batch of up
 to max_batch rows, one per request (a Job). Each loop turn it lets waiting requests join (a prefill of one
@@ -23,10 +25,12 @@ from tokenizer import continuation
 
 
 class Job:
-    """One completion choice: its prompt, how to continue it, and what came of it. The engine calls
-    take(logits) once per token; the text, the stop strings and what to send are worked out here, and
-    handed to `send` (a thread-safe callable of the HTTP side) as ("text", delta, logprobs) and then
-    ("done", finish_reason, tokens generated); with echo and logprobs, ("prompt", logprobs) first."""
+    """One completion choice: its prompt, how to continue it, and what came of it.
+
+    The engine calls take(logits) once per token; the text, the stop strings and what to send are
+    worked out here, and handed to `send` (a thread-safe callable of the HTTP side) as ("text",
+    delta, logprobs) and then ("done", finish_reason, tokens generated); with echo and logprobs,
+    ("prompt", logprobs) first."""
 
     def __init__(self, prompt, max_tokens, sampling, *, tokenizer, send, seed=0, stop=(), logprobs=None, echo=False,
                  device="cpu"):
@@ -95,9 +99,10 @@ class QueueFull(Exception):
 
 
 class Outbox:
-    """What the engine sends to the HTTP side during one turn, handed over at its end with one wake-up per
-    event loop (a call_soon_threadsafe per token per stream costs the server a wake-up each: with 32
-    streams, 32 a step)."""
+    """What the engine sends to the HTTP side during one turn, handed over at its end.
+
+    With one wake-up per event loop (a call_soon_threadsafe per token per stream costs the server a
+    wake-up each: with 32 streams, 32 a step)."""
 
     def __init__(self):
         self.items = collections.defaultdict(list)
@@ -120,11 +125,13 @@ RIDE_MIN = 8  # prompt tokens a chunk riding a decode pass may have, however few
 
 
 class Engine:
-    """The decode loop (run(), in a daemon thread): each turn admits waiting jobs while rows are free,
+    """The decode loop: admits jobs, prefills their prompts in chunks, decodes every row each turn.
+
+    The decode loop (run(), in a daemon thread): each turn admits waiting jobs while rows are free,
     prefills one chunk of one joining prompt (a long prompt is spread over several turns, so the running
     streams keep getting tokens; the chunk rides in their decode pass, chunk()), then runs one decode step
-    for every running row (row_batch: one batch, each row at its own length) and samples them in
-    one call per setting. submit() is called from the HTTP side."""
+    for every running row (row_batch: one batch, each row at its own length) and samples them in one call
+    per setting. submit() is called from the HTTP side."""
 
     def __init__(self, model, max_batch, max_queue, prefill_chunk=64, thread=True):
         self.model, self.max_batch, self.max_queue, self.prefill_chunk = model, max_batch, max_queue, prefill_chunk
@@ -206,8 +213,9 @@ class Engine:
         self.prefilled(job, self.model.forward_cached(*self.chunk(job)))
 
     def chunk(self, job, riding=0):
-        """(the next tokens of job's prompt (1, T), its cache, how many logits it needs): prefill_chunk
-        tokens in a pass of their own; riding a decode pass of `riding` rows on a CPU, at most
+        """The next chunk of a joining job's prompt: (tokens (1, T), its cache, how many logits it needs).
+
+        prefill_chunk tokens in a pass of their own; riding a decode pass of `riding` rows on a CPU, at most
         max(RIDE_MIN, riding). On a CPU a pass costs about linearly in its rows, so a chunk no longer than the
         rows it rides with at most about doubles their step: a long prompt joining a few streams delays each
         of their tokens by at most about one step of their own, in more, smaller chunks."""
@@ -221,7 +229,9 @@ class Engine:
         return torch.tensor([job.prompt[start:end]], device=self.device), job.cache, end - start if want_prompt else 1
 
     def prefilled(self, job, logits):
-        """After a chunk of job's prompt (logits: what chunk() asked for): after the last, the first token
+        """After a chunk of job's prompt: after the last, its first token, and the job joins the batch.
+
+        After a chunk of job's prompt (logits: what chunk() asked for): after the last, the first token
         (or, with max_tokens 0, none) and the job joins the batch."""
         want_prompt = job.echo and job.logprobs is not None
         if want_prompt:
@@ -243,11 +253,12 @@ class Engine:
 
     @torch.no_grad()
     def decode(self, joining=None):
-        """One token for every row: the batch's decode step (and, for rows whose text has outgrown the
-        model's context, their last block_size tokens afresh, as generate() and sample.py do past
-        block_size: every cached key is stale there), then one sampling call per setting. With a joining
-        job, the next chunk of its prompt goes through the same pass (BatchRows.decode_and_prefill: the weights
-        read once for both)."""
+        """One token for every row, and a joining prompt's next chunk in the same pass.
+
+        One token for every row: the batch's decode step (and, for rows whose text has outgrown the model's
+        context, their last block_size tokens afresh, as generate() and sample.py do past block_size: every
+        cached key is stale there), then one sampling call per setting. With a joining job, the next chunk of
+        its prompt goes through the same pass (BatchRows.decode_and_prefill: the weights read once for both)."""
         for i in reversed(range(len(self.rows))):
             if self.past_context(self.rows[i]):
                 self.sliding.append(self.rows[i])
@@ -291,7 +302,9 @@ class Engine:
 
 
 def sample_rows(logits, samplings, generators):
-    """(B, vocab) logits -> (B,) tokens: row i drawn with samplings[i] from generators[i], exactly as
+    """(B, vocab) logits -> (B,) tokens, row i drawn as sample_next would draw it alone.
+
+    (B, vocab) logits -> (B,) tokens: row i drawn with samplings[i] from generators[i], exactly as
     sample_next draws it alone; the rows that share a Sampling are drawn in one call."""
     tokens = torch.empty(logits.size(0), dtype=torch.long, device=logits.device)
     groups = {}
@@ -304,10 +317,11 @@ def sample_rows(logits, samplings, generators):
 
 
 class BatchRows:
-    """Up to max_rows sequences in one set of static caches (each kind's StaticCache), row i at its own
-    length: a step is one GPT.decode_static over rows 0..n-1 (attention for every row in one call per
-    layer, one mask). A sequence joins at row n (its prefill's cache copied in) and one that ends has the
-    last row moved into its place, so a step takes views, never copies. Full layers hold the longest row's
+    """Up to max_rows sequences in one set of static caches, each row at its own length.
+
+    A step is one GPT.decode_static over rows 0..n-1 (attention for every row in one call per layer, one
+    mask). A sequence joins at row n (its prefill's cache copied in) and one that ends has the last row
+    moved into its place, so a step takes views, never copies. Full layers hold the longest row's
     positions, rounded up to a power of two (from 16) and at most block_size: memory is at most max_rows x
     block_size positions per full layer, a window's ring or a linear layer's sums per row for the others."""
 
@@ -347,12 +361,15 @@ class BatchRows:
                 layer.move(self.n, row)
 
     def decode(self, tokens, positions):
-        """tokens (n, 1) at positions (a list of n ints) -> logits (n, vocab). Full layers attend over the
-        positions up to the longest row's, not their whole capacity."""
+        """tokens (n, 1) at positions (a list of n ints) -> logits (n, vocab).
+
+        Full layers attend over the positions up to the longest row's, not their whole capacity."""
         return self.model.decode_static(*self.inputs(tokens, positions))
 
     def decode_and_prefill(self, tokens, positions, idx, cache, last=1):
-        """decode(), and in the same pass idx (1, T) into a joining sequence's own cache (GPT.decode_and_prefill)
+        """decode(), and in the same pass idx (1, T) into a joining sequence's own cache.
+
+        decode(), and in the same pass idx (1, T) into a joining sequence's own cache (GPT.decode_and_prefill)
         -> (logits (n, vocab), idx's last `last` logits (1, last, vocab))."""
         return self.model.decode_and_prefill(*self.inputs(tokens, positions), idx, cache, last)
 
@@ -364,8 +381,10 @@ class BatchRows:
 
 
 class DynamicRows:
-    """BatchRows for models with a kind that has no StaticCache: each row keeps its own dynamic cache and
-    GPT.decode_rows runs attention row by row (the projections and MLPs still once for the batch)."""
+    """BatchRows for models with a kind that has no StaticCache: a dynamic cache per row.
+
+    Each row keeps its own dynamic cache and GPT.decode_rows runs attention row by row (the
+    projections and MLPs still once for the batch)."""
 
     def __init__(self, model, max_rows):
         self.model, self.caches = model, []

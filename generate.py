@@ -1,5 +1,5 @@
 """
-Sampling and the decode loop, as functions of a model (GPT.generate and GPT.stream call these):
+Sampling and the decode loop, as functions of a model (GPT.generate and GPT.stream call these).
 
   next_logits(model, seq, length, cache)   the logits after seq[:, :length]: a prefill, then a token a step
   generate(model, idx, max_new_tokens, Sampling(temperature=0.8, top_k=200), eos_token_id)
@@ -21,8 +21,10 @@ import attention
 
 @dataclass(frozen=True)
 class Sampling:
-    """How the next token is drawn: temperature 0 is greedy; top_k keeps the k most likely tokens, top_p
-    the smallest set whose probability reaches p (None: no filter)."""
+    """How the next token is drawn: temperature, top-k and top-p.
+
+    Temperature 0 is greedy; top_k keeps the k most likely tokens, top_p the smallest set whose
+    probability reaches p (None: no filter)."""
 
     temperature: float = 1.0
     top_k: Optional[int] = None
@@ -42,7 +44,9 @@ class Sampling:
 
 
 def filter_logits(logits, top_k=None, top_p=None):
-    """Sets to -inf every logit outside the top_k largest (ties with the k-th kept) and outside the
+    """Sets to -inf every logit outside the top_k largest and outside the top_p nucleus.
+
+    Sets to -inf every logit outside the top_k largest (ties with the k-th kept) and outside the
     nucleus: the smallest set of most likely tokens whose probability reaches top_p."""
     if top_k is not None and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
@@ -58,8 +62,10 @@ def filter_logits(logits, top_k=None, top_p=None):
 
 
 def sample_next(logits, sampling, generator=None):
-    """(B, vocab) logits -> (B, 1) token ids. generator: None, one torch.Generator for the batch, or a
-    list with one per row (row i then draws exactly what a batch of one with that generator would)."""
+    """(B, vocab) logits -> (B, 1) token ids, one generator per row if asked.
+
+    generator: None, one torch.Generator for the batch, or a list with one per row (row i then draws
+    exactly what a batch of one with that generator would)."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     return pick(logits, sampling, race_noise(logits.shape, logits.device, generator))
@@ -73,10 +79,12 @@ def race_noise(shape, device, generator=None):
 
 
 def pick(logits, sampling, noise):
-    """The token drawn from sampling's distribution by the exponential race: argmax of p / E with E ~
-    Exp(1) per token is exactly a draw from p (E / p is Exp(p), and the least of independent
-    exponentials is index i with probability p_i). Unlike torch.multinomial it never waits for the device,
-    and a compiled step takes the noise as an input (gpt-fast's sampler)."""
+    """The token drawn from sampling's distribution by the exponential race (gpt-fast's sampler).
+
+    The token drawn from sampling's distribution by the exponential race: argmax of p / E with E ~ Exp(1)
+    per token is exactly a draw from p (E / p is Exp(p), and the least of independent exponentials is
+    index i with probability p_i). Unlike torch.multinomial it never waits for the device, and a compiled
+    step takes the noise as an input (gpt-fast's sampler)."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
     return (sampling.probs(logits) / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1, keepdim=True)
@@ -88,13 +96,14 @@ def check_max_new_tokens(max_new_tokens):
 
 
 def next_logits(model, seq, length, cache=None):
-    """The logits (B, vocab) of the token after seq[:, :length]: the tokens the cache has not seen yet
-    go through it (the whole prompt first, then one per step), or, without a cache or once the sequence
-    has outgrown block_size, the last block_size tokens run afresh. Past block_size every cached key
-    is stale (each depended on tokens that have left the window), so both ways compute the same.
-    A model that runs any length (config.context_limit None: windows and linear layers, relative
-    positions) never recomputes: the cache takes the new tokens, block_size at a time, and without a
-    cache the whole sequence runs, which computes the same."""
+    """The logits (B, vocab) of the token after seq[:, :length], through the cache or afresh.
+
+    The tokens the cache has not seen yet go through it (the whole prompt first, then one per step),
+    or, without a cache or once the sequence has outgrown block_size, the last block_size tokens run
+    afresh. Past block_size every cached key is stale (each depended on tokens that have left the
+    window), so both ways compute the same. A model that runs any length (config.context_limit None:
+    windows and linear layers, relative positions) never recomputes: the cache takes the new tokens,
+    block_size at a time, and without a cache the whole sequence runs, which computes the same."""
     block_size = model.config.block_size
     if model.config.context_limit is None:
         if cache is None:
@@ -110,8 +119,9 @@ def next_logits(model, seq, length, cache=None):
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, sampling=Sampling(), eos_token_id=None, use_cache=True, generator=None,
              step=None):
-    """Continues each row of idx (B, T; rows of equal length) by up to max_new_tokens tokens and
-    returns (B, T + new). Call model.eval() first, or dropout stays on. With the cache, the prompt runs
+    """Continues each row of idx (B, T; rows of equal length) by up to max_new_tokens tokens.
+
+    Returns (B, T + new). Call model.eval() first, or dropout stays on. With the cache, the prompt runs
     once and then one token per step; without it, each step recomputes the last block_size tokens
     (next_logits). Tokens are the same either way.
 
@@ -128,6 +138,7 @@ def generate(model, idx, max_new_tokens, sampling=Sampling(), eos_token_id=None,
 def stream(model, idx, max_new_tokens, sampling=Sampling(), eos_token_id=None, use_cache=True, generator=None,
            step=None):
     """generate() one step at a time: yields each new (B, 1) column of tokens as soon as it exists.
+
 
     step: None, or step(seq, length, end, cache) -> (B, n) tokens to append after seq[:, :length], or
     None for an ordinary step; it may return several tokens at once (speculative.py's drafts do) and
@@ -184,10 +195,12 @@ def check_static(model):
 
 
 class StaticDecode:
-    """stream()'s step for compile=True: the prefill and any step that runs afresh (past block_size for
-    models with a context limit) go the eager way; every other token through decode_one_token, compiled.
-    Draws the same tokens as the eager loop (the same sampler, the noise drawn the same way), up to the
-    rounding of attention over a padded cache."""
+    """stream()'s step for compile=True: each decoded token through a compiled static-cache step.
+
+    The prefill and any step that runs afresh (past block_size for models with a context limit) go the
+    eager way; every other token through decode_one_token, compiled. Draws the same tokens as the eager
+    loop (the same sampler, the noise drawn the same way), up to the rounding of attention over a padded
+    cache."""
 
     def __init__(self, model, sampling, generator=None, compile=True):
         check_static(model)

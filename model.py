@@ -1,6 +1,7 @@
 """
-A GPT language model: the network. Reads top to bottom: config, MLPs, block, loss, model (the norms'
-make_norm is attention's (attention/base.py), which QK-norm uses too).
+A GPT language model: the network, read top to bottom: config, MLPs, block, loss, model.
+
+The norms' make_norm is attention's (attention/base.py), which QK-norm uses too.
 
 Features (each chosen once, in GPTConfig):
 - positions: learned | rope (linear or YaRN scaling) | sinusoidal | alibi | t5 | none (positions.py)
@@ -40,8 +41,9 @@ from positions import POSITIONS, LearnedPositions
 
 @dataclass
 class ModelKeys:
-    """Every architecture key with its type and default: GPTConfig checks and completes them; the
-    configs of train.py and bench.py extend this class, so every key here is one of theirs."""
+    """Every architecture key with its type and default; GPTConfig checks and completes them.
+
+    The configs of train.py and bench.py extend this class, so every key here is one of theirs."""
 
     block_size: int = 1024  # longest context the model sees
     vocab_size: int = 50304  # GPT-2's 50257 rounded up to a multiple of 64
@@ -125,7 +127,9 @@ class GPTConfig(ModelKeys):
 
     @property
     def context_limit(self):
-        """The longest sequence the model runs: block_size; or None (any length, decoding one step per token
+        """The longest sequence the model runs: block_size, or None for any length.
+
+        The longest sequence the model runs: block_size; or None (any length, decoding one step per token
         with a cache of bounded size) when every layer's cache is bounded (windows, linear layers) and the
         positions are relative."""
         relative = self.pos_emb in ("rope", "alibi", "t5", "none")
@@ -137,8 +141,9 @@ MODEL_KEYS = [f.name for f in fields(ModelKeys)]
 
 
 def model_config(keys):
-    """The GPTConfig of an object that holds every model key (a script's config); ValueError when the
-    values cannot make a model."""
+    """The GPTConfig of an object that holds every model key (a script's config).
+
+    ValueError when the values cannot make a model."""
     return GPTConfig(**{k: getattr(keys, k) for k in MODEL_KEYS})
 
 
@@ -159,7 +164,9 @@ def gelu_tanh(x):
 
 
 def gelu_tanh_as_sigmoid(x):
-    """The same function, since (1 + tanh(z)) / 2 = sigmoid(2z). Under torch.compile this fuses into one
+    """GPT-2's tanh GELU written with a sigmoid, which compiles into one fast kernel.
+
+    The same function, since (1 + tanh(z)) / 2 = sigmoid(2z). Under torch.compile this fuses into one
     kernel that runs the CPU forward 3x and the backward 1.7x faster than inductor's tanh GELU; in eager
     mode its five ops are slower than aten's one (docs/research_log.md)."""
     return x * torch.sigmoid(math.sqrt(8 / math.pi) * (x + 0.044715 * x * x * x))
@@ -230,8 +237,9 @@ class Block(nn.Module):
         return self.residual(x, lambda h: self.attn(h, positions, start, mask, cache))
 
     def forward_rows(self, x, positions, starts, masks, caches):
-        """GPT.decode_rows: row i of x (B, 1, C) is a token at its own position starts[i], with masks[i]
-        and caches[i]."""
+        """GPT.decode_rows: one token per row, each row at its own position with its own mask and cache.
+
+        Row i of x (B, 1, C) is a token at its own position starts[i], with masks[i] and caches[i]."""
         return self.residual(x, lambda h: self.attn.forward_rows(h, positions, starts, masks, caches))
 
     def forward_static(self, x, positions, pos, cache):
@@ -255,8 +263,10 @@ class Block(nn.Module):
 
 
 def lm_loss(logits, targets, z_loss=0.0, label_smoothing=0.0, normalizer=None):
-    """Returns (loss, cross_entropy): the mean cross-entropy over targets != -1, against targets smoothed
-    by label_smoothing (1 - e on the target, e spread evenly over the vocabulary: Szegedy et al. 2016, the
+    """The language-model loss: (loss, plain cross-entropy) over the targets that are not -1.
+
+    Returns (loss, cross_entropy): the mean cross-entropy over targets != -1, against targets smoothed by
+    label_smoothing (1 - e on the target, e spread evenly over the vocabulary: Szegedy et al. 2016, the
     2017 transformer's 0.1), plus z_loss * mean(logsumexp(logits)^2) (PaLM's auxiliary loss, which keeps
     log Z near 0). cross_entropy is always the plain one: what evaluation and bits per byte report.
     normalizer: the sums over targets divided by it instead of by their count (supervised fine-tuning: the
@@ -313,10 +323,11 @@ class GPT(nn.Module):
             nn.init.zeros_(module.bias)
 
     def set_context(self, block_size=None, rope_scaling=None, rope_factor=None):
-        """Runs the model at another context, in place: block_size tokens and, for RoPE, its scaling (None:
-        as it is). The position tables are rebuilt, the weights stay, and the length the model was trained
-        at stays in config.trained_block_size (YaRN extends from it). A ValueError for what cannot be:
-        learned positions past their table, scaling without RoPE."""
+        """Runs the model at another context, in place: block_size tokens and RoPE's scaling.
+
+        The position tables are rebuilt, the weights stay, and the length the model was trained at stays
+        in config.trained_block_size (YaRN extends from it). A ValueError for what cannot be: learned
+        positions past their table, scaling without RoPE."""
         c = self.config
         block_size = block_size or c.block_size
         if c.pos_emb == "learned" and block_size > c.block_size:
@@ -336,11 +347,13 @@ class GPT(nn.Module):
         return self
 
     def add_tokens(self, base_vocab, ids):
-        """Makes room for new tokens (the chat template's), in place: the token table and an untied head grow
-        to hold ids if they are smaller, and rows ids (new, or padding rows no input ever trained) start at
-        the mean of the first base_vocab rows, the tokenizer's own (Hewitt 2021; transformers'
-        resize_token_embeddings does the same): a new token's logit starts near an average token's, not at
-        a random row's, and its embedding inside what the blocks have learned to read."""
+        """Makes room for new tokens (the chat template's), in place, their rows at the mean of the old.
+
+        The token table and an untied head grow to hold ids if they are smaller, and rows ids (new, or
+        padding rows no input ever trained) start at the mean of the first base_vocab rows, the tokenizer's
+        own (Hewitt 2021; transformers' resize_token_embeddings does the same): a new token's logit starts
+        near an average token's, not at a random row's, and its embedding inside what the blocks have
+        learned to read."""
         size = max(self.config.vocab_size, max(ids) + 1)
         rows = torch.tensor(ids)
         for module in (self.tok_emb, *([] if self.config.tie_embeddings else [self.lm_head])):
@@ -355,8 +368,10 @@ class GPT(nn.Module):
         return self
 
     def get_num_params(self, non_embedding=False):
-        """Unique parameters (a tied head counts once). non_embedding drops the position table and, when
-        the head is untied, the token table (lookups, not matmuls)."""
+        """Unique parameters (a tied head counts once).
+
+        non_embedding drops the position table and, when the head is untied, the token table
+        (lookups, not matmuls)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             if isinstance(self.positions, LearnedPositions):
@@ -366,10 +381,11 @@ class GPT(nn.Module):
         return n
 
     def forward(self, idx, targets=None, kv_cache=None, with_ce=False, normalizer=None):
-        """idx (B, T) -> (logits (B, T, vocab), loss or None). With kv_cache, idx continues the cached
-        sequence at position kv_cache.length. with_ce: the loss is lm_loss's (loss, cross_entropy), which
-        train.py takes from here so the loss runs inside the compiled forward (nanoGPT's way), not after it.
-        normalizer: lm_loss's (fine-tuning on conversations)."""
+        """idx (B, T) -> (logits (B, T, vocab), loss or None): the training and evaluation forward.
+
+        With kv_cache, idx continues the cached sequence at position kv_cache.length. with_ce: the loss is
+        lm_loss's (loss, cross_entropy), which train.py takes from here so the loss runs inside the compiled
+        forward (nanoGPT's way), not after it. normalizer: lm_loss's (fine-tuning on conversations)."""
         x = self.hidden_states(idx, kv_cache)
         logits = self.lm_head(x)
         if targets is None:
@@ -392,22 +408,28 @@ class GPT(nn.Module):
         return self.norm_f(x)
 
     def masks(self, start, T, device):
-        """Each kind's attention mask (attention/) for T queries from position start, made once and
+        """Each kind's attention mask for T queries from position start, made once for its layers.
+
+        Each kind's attention mask (attention/) for T queries from position start, made once and
         shared by the kind's layers."""
         dropout = self.training and self.config.dropout > 0
         return {letter: attention.layer_mask(kind, self.config, self.positions, start, T, device, dropout)
                 for letter, kind in attention.kinds_of(self.config).items()}
 
     def new_cache(self, max_len=None):
-        """An empty cache for generation: each layer's own kind (a full layer's keys for max_len positions,
-        default block_size; a window's rolling buffer; a linear layer's state)."""
+        """An empty cache for generation: each layer's own kind.
+
+        A full layer's keys for max_len positions (default block_size), a window's rolling buffer, a
+        linear layer's state."""
         return attention.KVCache([block.attn.new_cache(max_len or self.config.block_size) for block in self.blocks])
 
     def decode_rows(self, tokens, caches):
-        """One decode step of B independent sequences: tokens (B, 1), caches[i] the cache of row i, each
-        at its own length -> logits (B, vocab). The projections, MLPs and head run once for the batch (the
-        weights are read once: what batching buys where decoding is bound by reading them); attention
-        runs row by row over each row's own cache. A server's batch of requests goes through here."""
+        """One decode step of B independent sequences, each at its own length: a server's batch.
+
+        One decode step of B independent sequences: tokens (B, 1), caches[i] the cache of row i, each at
+        its own length -> logits (B, vocab). The projections, MLPs and head run once for the batch (the
+        weights are read once: what batching buys where decoding is bound by reading them); attention runs
+        row by row over each row's own cache. A server's batch of requests goes through here."""
         starts = [cache.length for cache in caches]
         limit = self.config.context_limit
         if limit is not None and max(starts) >= limit:
@@ -422,16 +444,19 @@ class GPT(nn.Module):
         return self.lm_head(self.norm_f(x))[:, -1]
 
     def decode_static(self, tokens, pos, caches):
-        """One decode step as a pure function of tensors (it compiles with fullgraph=True): tokens (B, 1),
-        row b at position pos[b] (a (B,) tensor), through each layer's StaticCache (caches[i]: layer i's,
-        updated in place) -> logits (B, vocab). generate.StaticDecode runs it."""
+        """One decode step as a pure function of tensors, through static caches: it compiles with fullgraph.
+
+        tokens (B, 1), row b at position pos[b] (a (B,) tensor), through each layer's StaticCache
+        (caches[i]: layer i's, updated in place) -> logits (B, vocab). generate.StaticDecode runs it."""
         x = self.drop(self.positions.embed_at(self.tok_emb(tokens), pos))
         for block, cache in zip(self.blocks, caches):
             x = block.forward_static(x, self.positions, pos, cache)
         return self.lm_head(self.norm_f(x))[:, -1]
 
     def decode_and_prefill(self, tokens, pos, caches, idx, cache, last=1):
-        """decode_static's step for its n rows and, in the same pass, idx (1, T) continuing what cache (a
+        """decode_static's step for n rows and one prompt's chunk, in one pass over the weights.
+
+        decode_static's step for its n rows and, in the same pass, idx (1, T) continuing what cache (a
         KVCache, as forward_cached takes it) holds -> (the rows' logits (n, vocab), the logits of idx's last
         `last` positions (1, last, vocab)). The n + T tokens go through the norms, projections, MLPs and
         head as rows of one batch, so the weights are read once for both: a server that decodes at the
@@ -452,7 +477,9 @@ class GPT(nn.Module):
         return logits[:n], logits[n:][None]
 
     def forward_cached(self, idx, cache=None, last=1):
-        """idx (B, T) continuing what cache holds (without a cache: a whole sequence) -> the logits of its
+        """The one way through the cache: idx (B, T) continuing what it holds -> its last logits.
+
+        idx (B, T) continuing what cache holds (without a cache: a whole sequence) -> the logits of its
         last `last` positions (B, last, vocab), the head run on those only; the cache grows by T. The one
         way through the cache: a prefill, a decode step, the check of a draft's proposals, a draft's own."""
         return self.lm_head(self.hidden_states(idx, cache)[:, -last:])
@@ -468,9 +495,10 @@ class GPT(nn.Module):
         return generate.stream(self, idx, max_new_tokens, sampling, eos_token_id, use_cache, generator, step)
 
     def flops_per_token(self, seq_len):
-        """Training (forward + backward) FLOPs per token, as in the PaLM paper's appendix: 6 per matmul
-        weight, plus 12 * n_embd * (keys a query meets: each kind's keys_per_query) per layer for the
-        attention scores and their weighted sums."""
+        """Training (forward + backward) FLOPs per token, as in the PaLM paper's appendix.
+
+        6 per matmul weight, plus 12 * n_embd * (keys a query meets: each kind's keys_per_query) per
+        layer for the attention scores and their weighted sums."""
         c = self.config
         matmul_params = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         return 6 * matmul_params + sum(12 * c.n_embd * attention.KINDS[kind].keys_per_query(c, seq_len)
@@ -482,6 +510,7 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(cls, name_or_dir, dropout=0.0):
         """A Hugging Face model: a GPT2LMHeadModel, Llama, Mistral, Qwen3 or Arcee directory, or a GPT-2 name.
+
 
         The names are gpt2 / gpt2-medium / gpt2-large / gpt2-xl from the Hub (network, or the Hugging Face
         cache). A training run's folder gets one line naming checkpoint.load_any, which gives the tokenizer too.

@@ -131,6 +131,7 @@ def check_config(c):
 
 def train(c, explicit, script=False, chosen=None):
     """Runs the training c describes (a TrainConfig; explicit: the keys the user set) in this process.
+
     script: called by train.py's command line, which ends the process after it (see StopRequest).
     chosen: the keys given on the command line itself (None: all of explicit; see fit_defaults)."""
     # the config that runs, the pieces, and where a resumed run stands
@@ -248,10 +249,12 @@ def train(c, explicit, script=False, chosen=None):
 
 
 class Run:
-    """One process's share of a training run: its device and process group, data, model (wrapped for
-    compile and DDP/FSDP2), optimizers and loss scaler, with what the step loop does to them: evaluate()
-    and train_step(). Saving and restoring them is checkpoint.RunState's. train_config is the TrainConfig
-    that runs (the model's keys as the model has them), model_config the model's GPTConfig."""
+    """One process's share of a training run, and what the step loop does to it.
+
+    Its device and process group, data, model (wrapped for compile and DDP/FSDP2), optimizers and loss
+    scaler, with what the step loop does to them: evaluate() and train_step(). Saving and restoring them
+    is checkpoint.RunState's. train_config is the TrainConfig that runs (the model's keys as the model
+    has them), model_config the model's GPTConfig."""
 
     def __init__(self, c, explicit, ckpt):
         self.open_processes(c)
@@ -387,11 +390,12 @@ class Run:
 
     @torch.no_grad()
     def evaluate(self, stop):
-        """Mean cross-entropy (no z-loss) over eval_iters batches per split, or None when a stop request
-        came in between two batches (in one process; under torchrun an all-reduce per batch to agree on
-        it hung gloo at exit, so there the request waits for the evaluation's end). The batches come from a generator
-        seeded the same way at every evaluation: evaluations compare like with like, and none of them
-        moves the training RNG, so resuming stays exact."""
+        """Mean cross-entropy (no z-loss) per split over eval_iters batches, or None on a stop request.
+
+        A stop request counts between two batches in one process; under torchrun an all-reduce per batch to
+        agree on it hung gloo at exit, so there the request waits for the evaluation's end. The batches come
+        from a generator seeded the same way at every evaluation: evaluations compare like with like, and
+        none of them moves the training RNG, so resuming stays exact."""
         c, world = self.train_config, self.world
         self.model.eval()
         result = {}
@@ -537,9 +541,11 @@ def step_record(run, iter_num, lr, result, seconds, steps, elapsed):
 
 
 def settle_config(c, explicit, chosen=None):
-    """The config that runs, and the checkpoint to resume (or None). A resumed run keeps its own config
-    apart from what the command line changes; a fresh one refuses an out_dir that holds a checkpoint.
-    Defaults the user did not set are fitted to a short run; what the user wrote is only checked."""
+    """The config that runs, and the checkpoint to resume (or None).
+
+    A resumed run keeps its own config apart from what the command line changes; a fresh one refuses
+    an out_dir that holds a checkpoint. Defaults the user did not set are fitted to a short run; what
+    the user wrote is only checked."""
     ckpt_path = os.path.join(c.out_dir, CHECKPOINT)
     ckpt, notes = None, []
     if c.init_from == "auto":  # what a restarted job runs: torchrun --max-restarts, a requeued SLURM job
@@ -560,10 +566,11 @@ def settle_config(c, explicit, chosen=None):
 
 
 def fit_defaults(c, explicit, notes, chosen=None):
-    """c with the defaults the user did not set fitted to a short run (a note for each in notes). chosen:
-    the keys given on the command line itself (None: all of explicit). A config file's (or a study's)
-    warmup_iters is fitted too when the command line shortened max_iters below it and left the warmup
-    alone: `train.py config/X.py --max_iters=5` is a smoke test, not a contradiction."""
+    """c with the defaults the user did not set fitted to a short run (a note for each in notes).
+
+    chosen: the keys given on the command line itself (None: all of explicit). A config file's (or a
+    study's) warmup_iters is fitted too when the command line shortened max_iters below it and left
+    the warmup alone: `train.py config/X.py --max_iters=5` is a smoke test, not a contradiction."""
     chosen = explicit if chosen is None else chosen
     from_file = "warmup_iters" in explicit and "warmup_iters" not in chosen and "max_iters" in chosen
     if ("warmup_iters" not in explicit or from_file) and c.warmup_iters > c.max_iters:
@@ -579,8 +586,10 @@ CONTEXT_KEYS = [f.name for f in fields(ContextKeys)]  # what a resumed run may c
 
 
 def build_model(c, explicit, data_meta, ckpt, notes):
-    """The model for init_from (with a checkpoint's weights), checked against the dataset's tokenizer. A
-    base model fine-tuned on a chat dataset of its own tokenizer gains the chat tokens (GPT.add_tokens)."""
+    """The model for init_from (with a checkpoint's weights), checked against the dataset's tokenizer.
+
+    A base model fine-tuned on a chat dataset of its own tokenizer gains the chat tokens
+    (GPT.add_tokens)."""
     model, source = load_model_for(c, explicit, data_meta, ckpt, notes)
     if ckpt is not None:  # (a LoRA run resumes with its adapters in place: checkpoint.lora_model)
         return model, ckpt.get("lora")
@@ -663,6 +672,7 @@ def load_model_for(c, explicit, data_meta, ckpt, notes):
 
 class Logger:
     """Plain lines (or a tqdm bar on a terminal), metrics.jsonl with every value, wandb when asked.
+
     Only rank 0 logs."""
 
     def __init__(self, c, out_dir, start_iter, metrics_bytes, active):
@@ -771,9 +781,10 @@ def interrupted_again(out_dir):
 
 
 def lost_a_process(error):
-    """Whether a collective failed because a peer process died or fell silent past dist_timeout: gloo's
-    connection errors and timeouts (RuntimeErrors that name them) or torch.distributed's own error classes
-    (NCCL's)."""
+    """Whether a collective failed because a peer process died or fell silent past dist_timeout.
+
+    gloo's connection errors and timeouts (RuntimeErrors that name them) or torch.distributed's own error
+    classes (NCCL's)."""
     import torch.distributed as dist
 
     return isinstance(error, dist.DistError) or any(
@@ -789,14 +800,17 @@ UNFREED_RUNS = []
 
 
 class StopRequest:
-    """SIGINT/SIGTERM/SIGUSR1: the first asks the loop to stop after this step (it saves a checkpoint),
-    the second aborts at once. SIGUSR1 is SLURM's warning before a job's time runs out (sbatch
-    --signal=USR1@120). Installed while the loop runs; the old handlers come back on close()."""
+    """SIGINT/SIGTERM/SIGUSR1: the first stops the loop after this step, the second aborts at once.
+
+    SIGUSR1 is SLURM's warning before a job's time runs out (sbatch --signal=USR1@120). Installed
+    while the loop runs; the old handlers come back on close()."""
 
     SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
 
     def __init__(self, logger, exit_out_dir=None):
-        """exit_out_dir: set by train.py's own command line. After a stop request, a second signal even
+        """Installs the handlers.
+
+        exit_out_dir: set by train.py's own command line. After a stop request, a second signal even
         during the exit (logs closing, threads joined, atexit callbacks, where Python can only print
         "Exception ignored in ...") then ends the process with the documented line; None (a run inside
         another program): the old handlers come back on close()."""

@@ -1,7 +1,9 @@
 """
-Attention kinds: what a layer's queries see and what its cache keeps. Each kind is one class, registered
-under its letter of GPTConfig.attn_pattern in KINDS and built as KINDS[letter](config); the rest of the
-code asks a kind only through this protocol (defaults in Attention), never by its letter or class:
+Attention kinds: what a layer's queries see and what its cache keeps, behind one protocol.
+
+Each kind is one class, registered under its letter of GPTConfig.attn_pattern in KINDS and built as
+KINDS[letter](config); the rest of the code asks a kind only through this protocol (defaults in
+Attention), never by its letter or class:
 
   letter, description       its letter, and a few words for --help and the error on an unknown letter
   config_keys               GPTConfig keys only this kind reads (S: attn_window): set with no such layer, refused
@@ -73,9 +75,9 @@ CACHE_PROTOCOL = ("rewinds", "bounded", "rewind", "nbytes")  # what speculative 
 
 
 def register(kind):
-    """Adds an attention kind (an Attention subclass with its own letter) to KINDS; returns it, so it can
-    decorate the class. A letter already taken is refused; exports_as is the class's own (None unless it
-    declares one)."""
+    """Adds an attention kind (an Attention subclass, its own letter) to KINDS; returns it (a decorator).
+
+    A letter already taken is refused; exports_as is the class's own (None unless it declares one)."""
     letter = kind.letter
     if "exports_as" not in vars(kind):  # a subclass may change the math: it claims a transformers twin itself
         kind.exports_as = None
@@ -111,7 +113,9 @@ def pattern_help():
 
 
 def check_pattern(config):
-    """ValueError (naming the key) for an attn_pattern of unknown letters, a kind's key set with no layer
+    """Checks a config's attn_pattern, and the keys its kinds read, against the registry.
+
+    ValueError (naming the key) for an attn_pattern of unknown letters, a kind's key set with no layer
     of that kind, or what a kind in the pattern refuses."""
     pattern = config.attn_pattern
     unknown = sorted(set(pattern) - set(KINDS))
@@ -145,10 +149,11 @@ def with_pattern(config, pattern):
 
 
 class KVCache:
-    """The cache of every layer (layers[i]: the cache layer i's kind made; GPT.new_cache) and the length
-    they share. Each layer writes and reads its own; the model advances the length once all have written;
-    rewind(n) keeps the first n positions (speculative decoding drops rejected drafts so), where every
-    layer's kind of cache can."""
+    """The cache of every layer (layers[i]: layer i's kind's; GPT.new_cache) and the length they share.
+
+    Each layer writes and reads its own; the model advances the length once all have written; rewind(n)
+    keeps the first n positions (speculative decoding drops rejected drafts so), where every layer's kind
+    of cache can."""
 
     def __init__(self, layers):
         self.layers = layers
@@ -171,6 +176,8 @@ class KVCache:
         self._length = n
 
     def nbytes(self):
-        """Bytes the layers hold for the positions so far (a full-attention layer's preallocated but
-        unwritten positions not counted)."""
+        """Bytes the layers hold for the positions so far.
+
+        A full-attention layer's preallocated but unwritten positions are not counted.
+        """
         return sum(layer.nbytes(self._length) for layer in self.layers)

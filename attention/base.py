@@ -1,7 +1,9 @@
 """
-What every attention kind shares: the Attention module (one q/k/v projection, optional QK-norm, the
-output projection; forward, forward_rows, forward_static and forward_mixed written once for every kind
-over its mix and decode_one), and StaticRows, what every StaticCache shares.
+What every attention kind shares: the Attention module and StaticRows.
+
+The Attention module (one q/k/v projection, optional QK-norm, the output projection; forward,
+forward_rows, forward_static and forward_mixed written once for every kind over its mix and
+decode_one), and StaticRows, what every StaticCache shares.
 """
 
 import torch
@@ -68,7 +70,9 @@ class Attention(nn.Module):
         return self.out(self.mix(q, k, v, self.gates(x), start, mask, cache, positions), x)
 
     def forward_rows(self, x, positions, starts, masks, caches):
-        """x (B, 1, C): row i is one token of its own sequence, at position starts[i], with masks[i] and
+        """One decode token per row, each row at its own position, with its own mask and cache.
+
+        x (B, 1, C): row i is one token of its own sequence, at position starts[i], with masks[i] and
         caches[i]. The projections run once for the batch; mixing runs row by row."""
         q, k, v = self.heads(x)
         gates = self.gates(x)
@@ -82,7 +86,9 @@ class Attention(nn.Module):
         return self.out(self.decode_one(q, k, v, self.gates(x), pos, cache, positions), x)
 
     def forward_mixed(self, x, n, positions, pos, static, start, mask, cache):
-        """x (n + T, 1, C), one token per row: rows :n decoded tokens of their own sequences at positions pos,
+        """Decoded rows and one prompt's chunk in one pass (GPT.decode_and_prefill).
+
+        x (n + T, 1, C), one token per row: rows :n decoded tokens of their own sequences at positions pos,
         through the StaticCache `static` (forward_static's way), rows n: the next T tokens of one sequence
         from position start, through its cache (forward's way). The projections run once for all n + T
         tokens (GPT.decode_and_prefill); decode_one and mix each take their part."""
@@ -129,14 +135,16 @@ def row_of(gates, i):
 
 
 class StaticRows:
-    """What every StaticCache shares: its tensors (`fields`, the batch first) as rows a server's batch can
-    take a view of, fill, move and allocate (engine.BatchRows)."""
+    """What every StaticCache shares: its tensors (`fields`, the batch first) as rows of a batch.
+
+    A server's batch (engine.BatchRows) takes views of the rows, fills, moves and allocates them."""
 
     fields = ()
 
     def rows(self, n, length=None):
-        """The first n rows, as views (a full layer's first `length` positions): a step over them writes
-        into this cache."""
+        """The first n rows, as views (a full layer's first `length` positions).
+
+        A step over them writes into this cache."""
         return type(self)(*(getattr(self, name)[:n] for name in self.fields))
 
     def put(self, row, other):

@@ -1,4 +1,6 @@
 """
+The gated delta rule (N) and linear attention with a data-dependent decay (M): one layer, two cores.
+
 The gated delta rule (N: Gated DeltaNet, Qwen3-Next's linear layers) and linear attention with a
 data-dependent decay (M: Mamba-2's scalar gate), one layer with two cores, with the delta rule's chunk
 math (gated_delta_chunk) beside it.
@@ -15,7 +17,8 @@ from attention.linear import LinearState, chunk_decays, decay_chunk
 
 
 def gated_delta_chunk(q, k, v, g, beta, state):
-    """The gated delta rule (Yang et al. 2024, Gated DeltaNet; Qwen3-Next's linear layers) over one chunk:
+    """The gated delta rule over one chunk, in the UT form: (outputs, the state after the chunk).
+
     q, k (B, H, T, Dk), v (B, H, T, Dv), g (B, H, T) the log forget gate (<= 0), beta (B, H, T) the write
     strength in (0, 1), state S (B, H, Dk, Dv) before the chunk (None: zeros). Per token,
 
@@ -54,10 +57,11 @@ def l2_normalize(x, eps=1e-6):
 
 
 class GatedDeltaNet(Attention):
-    """The gated delta rule layer as Qwen3-Next has it (Yang et al. 2024, Gated DeltaNet): per head a
-    state S (Dk x Dv) forgotten by a_t = e^{g_t} and corrected toward each value for its key with strength
-    beta_t (gated_delta_chunk), read by the query. From the block input: q, k (n_kv_head heads) and v
-    (n_head heads; queries and keys are repeated for them, Qwen3-Next's grouped value heads) through a
+    """The gated delta rule layer as Qwen3-Next has it (Yang et al. 2024, Gated DeltaNet).
+
+    Per head a state S (Dk x Dv) forgotten by a_t = e^{g_t} and corrected toward each value for its key with
+    strength beta_t (gated_delta_chunk), read by the query. From the block input: q, k (n_kv_head heads) and
+    v (n_head heads; queries and keys are repeated for them, Qwen3-Next's grouped value heads) through a
     causal depthwise convolution of conv_kernel (4) taps and SiLU; q and k L2-normalised, q scaled by
     Dk^-1/2; beta = sigmoid(b) and g = -exp(A_log) softplus(a + dt_bias), both per head and token (Mamba-2's
     discretised decay); the output RMS-normalised per head and gated by SiLU(z), then projected. Training and
@@ -114,8 +118,10 @@ class GatedDeltaNet(Attention):
         return self.z(x), torch.sigmoid(b), g
 
     def convolve(self, mixed, previous):
-        """The causal depthwise convolution over (B, T, channels) after the previous conv_kernel - 1 inputs
-        (None: zeros), with SiLU; returns (the output, the last conv_kernel - 1 inputs)."""
+        """The causal depthwise convolution with SiLU: (the output, the last conv_kernel - 1 inputs).
+
+        Over (B, T, channels) after the previous conv_kernel - 1 inputs (None: zeros), with SiLU;
+        returns (the output, the last conv_kernel - 1 inputs)."""
         x = mixed.float().transpose(1, 2)  # (B, channels, T)
         if previous is None:
             previous = x.new_zeros(x.size(0), x.size(1), self.conv_kernel - 1)
@@ -173,13 +179,14 @@ class GatedDeltaNet(Attention):
 
 
 class GatedLinearAttention(GatedDeltaNet):
-    """Linear attention with a data-dependent decay: Mamba-2's scalar form of the forget gate (Dao and Gu
-    2024; GLA's, Yang et al. 2023, with one gate per head instead of one per key channel). Per head,
-    S_t = a_t S_{t-1} + k_t^T v_t and y_t = q_t S_t, with a_t = e^{g_t}, g = -exp(A_log) softplus(a + dt_bias)
-    computed from the block input: the gated delta rule's layer (its convolution, L2-normalised q and k,
-    output norm and SiLU gate, grouped value heads, no positions) without the delta rule's correction, so
-    it adds where N overwrites. Chunks of 64 (decay_chunk), the recurrence while decoding, the state and the
-    convolution's last inputs as its cache."""
+    """Linear attention with a data-dependent decay: Mamba-2's scalar forget gate.
+
+    Mamba-2's scalar form of the forget gate (Dao and Gu 2024; GLA's, Yang et al. 2023, with one gate per head
+    instead of one per key channel). Per head, S_t = a_t S_{t-1} + k_t^T v_t and y_t = q_t S_t, with a_t =
+    e^{g_t}, g = -exp(A_log) softplus(a + dt_bias) computed from the block input: the gated delta rule's layer
+    (its convolution, L2-normalised q and k, output norm and SiLU gate, grouped value heads, no positions)
+    without the delta rule's correction, so it adds where N overwrites. Chunks of 64 (decay_chunk), the
+    recurrence while decoding, the state and the convolution's last inputs as its cache."""
 
     letter, description = "M", "linear attention with a data-dependent decay (Mamba-2's, GLA's scalar gate)"
     StaticCache = StaticDeltaState  # (its decode_one is N's, through its own core)

@@ -1,6 +1,8 @@
 """
-The softmax kernels every softmax kind calls (GPTConfig.attn_impl: KERNELS): SDPA, the explicit masked
-softmax kept as its reference, and FlexAttention for windows and position biases on GPUs (layer_mask).
+The softmax kernels every softmax kind calls (GPTConfig.attn_impl: KERNELS).
+
+SDPA, the explicit masked softmax kept as its reference, and FlexAttention for windows and position
+biases on GPUs (layer_mask).
 """
 
 import functools
@@ -11,16 +13,19 @@ import torch.nn.functional as F
 
 
 def visible(q_start, T, k_start, k_len, window, device):
-    """Boolean (T, k_len): query q_start+i sees key k_start+j when the key is not later and, with a
-    window, fewer than `window` positions earlier (so the query sees itself and window - 1 keys before)."""
+    """Which keys each query sees: a causal, optionally windowed, boolean (T, k_len) mask.
+
+    Query q_start+i sees key k_start+j when the key is not later and, with a window, fewer than `window`
+    positions earlier (so the query sees itself and window - 1 keys before)."""
     offset = (torch.arange(q_start, q_start + T, device=device)[:, None]
               - torch.arange(k_start, k_start + k_len, device=device)[None, :])  # fmt: skip
     return (offset >= 0) & (offset < window) if window else offset >= 0
 
 
 def attention_scores(q, k, mask):
-    """Pre-softmax scores (B, n_head, T, keys): scaled q.k (keys shared across a query group), -inf where
-    the mask hides a key, plus any position bias."""
+    """Pre-softmax scores (B, n_head, T, keys), the mask and any position bias applied.
+
+    Scaled q.k (keys shared across a query group), -inf where the mask hides a key, plus any position bias."""
     k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
     if mask is None:
@@ -76,8 +81,10 @@ BLOCK_MASKS = {}  # (letter, the kind's config keys' values, T, device) -> its B
 
 
 class FlexMask:
-    """A layer mask in FlexAttention's form: a block mask and the position scheme's score_mod (or None);
-    dense() makes the tensor mask, for the kernels that take one."""
+    """A layer mask in FlexAttention's form, with its dense twin for the kernels that take a tensor.
+
+    A block mask and the position scheme's score_mod (or None); dense() makes the tensor mask, for the
+    kernels that take one."""
 
     def __init__(self, block_mask, score_mod, dense):
         self.block_mask, self.score_mod, self.dense = block_mask, score_mod, dense
@@ -99,9 +106,11 @@ def attention_flex(q, k, v, mask):
 
 
 def layer_mask(kind, config, positions, start, T, device, dropout):
-    """kind.mask, or its FlexAttention form where that pays: on FLEX_DEVICES, the SDPA kernel, a forward
-    with gradients of T = block_size queries from position 0, no attention dropout, heads of 16 or more,
-    and a mask SDPA's flash kernel cannot take (a window narrower than T, or a bias)."""
+    """A kind's mask for one forward: its FlexAttention form where that pays, else kind.mask's.
+
+    FlexAttention pays on FLEX_DEVICES, with the SDPA kernel, a forward with gradients of T = block_size
+    queries from position 0, no attention dropout, heads of 16 or more, and a mask SDPA's flash kernel
+    cannot take (a window narrower than T, or a bias)."""
     mask_mod = kind.mask_mod(config) if kind.softmax else None
     if (mask_mod is None or torch.device(device).type not in FLEX_DEVICES or config.attn_impl != "sdpa"
             or start != 0 or T != config.block_size or dropout or not torch.is_grad_enabled()
@@ -124,18 +133,21 @@ def flex_available(device_type):
 
 
 def has_score_mod(positions):
-    """Whether the scheme's score_mod is written for its own attn_bias (a subclass that changes attn_bias
-    and inherits score_mod would have flex add the wrong bias, so it keeps the dense mask)."""
+    """Whether the position scheme's score_mod is written for its own attn_bias.
+
+    A subclass that changes attn_bias and inherits score_mod would have flex add the wrong bias, so it
+    keeps the dense mask."""
     mro = type(positions).__mro__
     defines = lambda name: next(i for i, cls in enumerate(mro) if name in vars(cls))  # noqa: E731
     return defines("score_mod") <= defines("attn_bias")
 
 
 def outside_compiled_graphs(fn):
-    """torch.compiler.disable(fn), made at fn's first call (like torch's own _disable_dynamo, though dynamo
-    traces this wrapper: on a first call inside a compile the graph breaks here, at the same place): the
-    decorator imports torch._dynamo, 2 s that every command line paid at start-up though only a compiled run
-    (or FlexAttention's compiled kernel) needs it."""
+    """torch.compiler.disable(fn), made at fn's first call, so start-up skips torch._dynamo.
+
+    Like torch's own _disable_dynamo (though dynamo traces this wrapper: on a first call inside a compile
+    the graph breaks here, at the same place): the decorator imports torch._dynamo, 2 s that every command
+    line paid at start-up though only a compiled run (or FlexAttention's compiled kernel) needs it."""
 
     @functools.wraps(fn)
     def call(*args, **kwargs):

@@ -1,7 +1,8 @@
 """
-Linear attention: causal linear attention (R) and retention, linear attention that forgets at a fixed
-rate per head (D), with their chunk math (linear_attention_chunk; chunk_decays and decay_chunk, which the
-gated layers of delta.py share) and their caches: running sums, the same size at any length.
+Linear attention: causal linear attention (R), and retention, which forgets at a fixed rate (D).
+
+With their chunk math (linear_attention_chunk; chunk_decays and decay_chunk, which the gated layers of
+delta.py share) and their caches: running sums, the same size at any length.
 """
 
 import torch
@@ -12,8 +13,10 @@ from attention.base import Attention, StaticRows
 
 
 class LinearState:
-    """A linear-attention layer's cache: its running sums (S, z) over every position so far, in fp32, the
-    same size at any length. A sum cannot give back what it added: rolling back is refused."""
+    """A linear-attention layer's cache: its running sums (S, z) over every position so far.
+
+    In fp32, the same size at any length. A sum cannot give back what it added: rolling back is
+    refused."""
 
     rewinds = False
     bounded = True
@@ -44,8 +47,10 @@ class StaticLinearState(StaticRows):
 
 
 class LinearAttention(Attention):
-    """Causal linear attention (Katharopoulos et al. 2020): softmax(q.k) replaced by phi(q).phi(k) with
-    phi = elu + 1 > 0, so the sum over earlier keys is a running one. Per head:
+    """Causal linear attention (Katharopoulos et al. 2020): a running sum over earlier keys.
+
+    softmax(q.k) replaced by phi(q).phi(k) with phi = elu + 1 > 0, so the sum over earlier keys is a
+    running one. Per head:
 
         y_i = phi(q_i) S_i / (phi(q_i) . z_i),   S_i = sum_{j<=i} phi(k_j) v_j^T  (d x d),   z_i = sum_{j<=i} phi(k_j)
 
@@ -114,7 +119,8 @@ class LinearAttention(Attention):
 
 
 def linear_attention_chunk(q, k, rq, rk, v, state, eps=1e-6):
-    """Causal linear attention over one chunk (B, H, T, D) after `state` (S, z), or None at the start:
+    """Causal linear attention over one chunk (B, H, T, D) after `state` (S, z), or None at the start.
+
     phi'd queries and keys q, k, their rotated copies rq, rk (the same tensors without RoPE), values v.
     Returns the outputs and the state after the chunk."""
     if q.size(2) == 1 and state is not None:  # a decoded token: the recurrence itself
@@ -140,8 +146,9 @@ class StaticDecayState(StaticRows):
 
 
 class RetentionAttention(LinearAttention):
-    """Linear attention that forgets at a fixed rate per head: RetNet's retention (Sun et al. 2023). Per
-    head h, with gamma_h = 1 - 2^(-5 - h) (RetNet's: the state's memory spans about 32, 64, ... tokens),
+    """Linear attention that forgets at a fixed rate per head: RetNet's retention (Sun et al. 2023).
+
+    Per head h, with gamma_h = 1 - 2^(-5 - h) (RetNet's: the state's memory spans about 32, 64, ... tokens),
 
         S_i = gamma_h S_{i-1} + k_i^T v_i   (d x d),   y_i = q_i S_i,   i.e.   y_i = sum_{j<=i} gamma_h^(i-j) (q_i . k_j) v_j
 
@@ -201,8 +208,10 @@ class RetentionAttention(LinearAttention):
 
 
 def chunk_decays(g):
-    """(c, decay) of a chunk's log gates g (B, H, T): c their cumulative sum from the chunk's start, decay
-    (B, H, T, T) e^{c_t - c_j} where j <= t and 0 above (the causal mask)."""
+    """The cumulative log gates of a chunk and its causal decay matrix: (c, decay).
+
+    c their cumulative sum from the chunk's start, decay (B, H, T, T) e^{c_t - c_j} where j <= t and 0
+    above (the causal mask)."""
     T = g.size(-1)
     c = g.cumsum(-1)
     causal_mask = torch.ones(T, T, dtype=torch.bool, device=g.device).tril()
@@ -210,12 +219,13 @@ def chunk_decays(g):
 
 
 def decay_chunk(q, k, v, g, state):
-    """Linear attention that forgets, over one chunk (B, H, T, D) after `state` S (B, H, D, D), or None at
-    the start; g (B, H, T) each token's log decay (<= 0: retention's is a constant per head, a gated
-    layer's comes from its input). With c_t the cumulative g from the chunk's start, per token
-    S_t = e^{g_t} S_{t-1} + k_t^T v_t and y_t = q_t S_t, so
-    y_t = sum_{j<=t in the chunk} e^{c_t - c_j} (q_t . k_j) v_j + e^{c_t} q_t S,
-    S' = e^{c_T} S + sum_j e^{c_T - c_j} k_j^T v_j. Returns the outputs and the state after the chunk."""
+    """Linear attention that forgets, over one chunk (B, H, T, D) after `state` (None at the start).
+
+    g (B, H, T) each token's log decay (<= 0: retention's is a constant per head, a gated layer's comes
+    from its input). With c_t the cumulative g from the chunk's start, per token S_t = e^{g_t} S_{t-1}
+    + k_t^T v_t and y_t = q_t S_t, so y_t = sum_{j<=t in the chunk} e^{c_t - c_j} (q_t . k_j) v_j +
+    e^{c_t} q_t S, S' = e^{c_T} S + sum_j e^{c_T - c_j} k_j^T v_j. Returns the outputs and the state
+    after the chunk."""
     c, decay = chunk_decays(g)
     y = ((q @ k.transpose(-2, -1)) * decay) @ v
     S = (k * (c[..., -1:] - c).exp()[..., None]).transpose(-2, -1) @ v

@@ -1,6 +1,7 @@
 """
-Softmax attention: over every earlier key (L), or over the last attn_window positions (S), each with its
-cache (FullKV, WindowKV) and its compiled decode step's (StaticKV, StaticWindowKV).
+Softmax attention: over every earlier key (L), or over the last attn_window positions (S).
+
+Each with its cache (FullKV, WindowKV) and its compiled decode step's (StaticKV, StaticWindowKV).
 """
 
 import torch
@@ -14,7 +15,8 @@ def causal(b, h, q_idx, kv_idx):
 
 
 class FullKV:
-    """A full-attention layer's keys and values, preallocated for max_len positions on the first write
+    """A full-attention layer's keys and values, preallocated for max_len positions on the first write.
+
     (which also fixes their dtype: the dtype the model computes in, autocast included)."""
 
     rewinds = True  # positions from n on are overwritten by the next writes
@@ -44,9 +46,11 @@ class FullKV:
 
 
 class StaticKV(StaticRows):
-    """A full layer's keys and values for a compiled decode step: (B, H, max_len, D) from the start, row b
-    written at its own position; key_pos (B, max_len) is each slot's position. grow() makes room for
-    longer rows (a server's batch grows its caches with its longest row)."""
+    """A full layer's keys and values for a compiled decode step, each row at its own position.
+
+    (B, H, max_len, D) from the start, row b written at its own position; key_pos (B, max_len) is each
+    slot's position. grow() makes room for longer rows (a server's batch grows its caches with its
+    longest row)."""
 
     fields = ("k", "v")
 
@@ -108,9 +112,11 @@ class FullAttention(Attention):
 
 
 class WindowKV:
-    """A sliding-window layer's keys and values: a rolling buffer of what the next query can see (the
-    window - 1 positions before it), plus the last write's positions, into which speculative decoding may
-    roll back. Its size is bounded by the window, however long the text grows."""
+    """A sliding-window layer's keys and values: a rolling buffer, bounded by the window.
+
+    A rolling buffer of what the next query can see (the window - 1 positions before it), plus the last
+    write's positions, into which speculative decoding may roll back. Its size is bounded by the window,
+    however long the text grows."""
 
     rewinds = True  # into the last write; further back is refused
     bounded = True
@@ -119,8 +125,9 @@ class WindowKV:
         self.window, self.k, self.v, self.first = window, None, None, 0  # first: position of self.k[:, :, 0]
 
     def update(self, start, k, v):
-        """Adds k, v at positions start.. and returns the keys and values from max(0, start - window + 1)
-        on: all that these queries can see."""
+        """Adds k, v at positions start.. and returns all the keys and values these queries can see.
+
+        They run from max(0, start - window + 1) on: all that these queries can see."""
         first = max(0, start - self.window + 1)
         if self.k is not None:
             keep = slice(first - self.first, start - self.first)  # positions from start on were rolled back
@@ -137,8 +144,10 @@ class WindowKV:
 
 
 class StaticWindowKV(StaticRows):
-    """A sliding-window layer's keys and values for a compiled decode step: a ring of `window` slots per
-    row, position p in slot p % window; key_pos is each slot's position (-1: empty)."""
+    """A sliding-window layer's keys and values for a compiled decode step: a ring per row.
+
+    A ring of `window` slots per row, position p in slot p % window; key_pos is each slot's position
+    (-1: empty)."""
 
     fields = ("k", "v", "key_pos")
 
@@ -153,8 +162,9 @@ class StaticWindowKV(StaticRows):
 
 
 class SlidingWindowAttention(FullAttention):
-    """Softmax attention over the last attn_window positions (the query's own included); its cache keeps
-    only those."""
+    """Softmax attention over the last attn_window positions (the query's own included).
+
+    Its cache keeps only those."""
 
     letter, description = "S", "sliding window"
     config_keys = ("attn_window",)
