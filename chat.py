@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from checkpoint import ContextKeys, load_for
-from configurator import ConfigError, checked, cli_main, keys_of, parse_config
+from configurator import ConfigError, checked, command_line, keys_of
 from device import DEVICES, pick_device
 from generate import Sampling, check_max_new_tokens, sample_next
 from quantize import WEIGHTS_DTYPES, for_inference, precision_line
@@ -149,13 +149,9 @@ def chat(c):
         print()
 
 
-def main(argv=None):
-    def command(argv):
-        c, _ = parse_config(ChatConfig, argv, "python chat.py [config_file ...] [--key=value ...]",
-                            __doc__.strip().splitlines()[0], keys_of(ChatConfig, CHAT_CHOICES, base=ContextKeys))
-        chat(c)
-
-    cli_main(command, argv)
+main = command_line(ChatConfig, "python chat.py [config_file ...] [--key=value ...]",
+                    __doc__.strip().splitlines()[0], chat,
+                    keys_of(ChatConfig, CHAT_CHOICES, base=ContextKeys))
 
 
 if __name__ == "__main__":

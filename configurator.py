@@ -231,6 +231,18 @@ def cli_main(command, argv=None):
         sys.exit(130)
 
 
+def command_line(cls, usage, about, run, keys=None, renamed=None):
+    """A script's main(argv=None): its keys parsed (config files, then --key=value), then run(config).
+
+    What sample.py, chat.py, serve.py and interpret.py are, under cli_main's one error path.
+    """
+
+    def main(argv=None):
+        return cli_main(lambda argv: run(parse_config(cls, argv, usage, about, keys, renamed)[0]), argv)
+
+    return main
+
+
 def fail(message):
     print(f"error: {message}", file=sys.stderr)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")  # under torchrun: its failure summary shows the line

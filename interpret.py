@@ -30,7 +30,7 @@ from typing import Optional
 
 
 from checkpoint import load_any
-from configurator import ConfigError, cli_main, parse_config, read_prompt
+from configurator import ConfigError, command_line, read_prompt
 from dataset import write_json
 from probes import attention_maps, default_probe_len, head_scores, probe_tokens
 
@@ -163,13 +163,8 @@ def interpret(c):
     return maps
 
 
-def main(argv=None):
-    def command(argv):
-        c, _ = parse_config(InterpretConfig, argv, "python interpret.py --out_dir=DIR [--start=TEXT] [--scores=True]",
-                            __doc__.strip().splitlines()[0])
-        interpret(c)
-
-    cli_main(command, argv)
+main = command_line(InterpretConfig, "python interpret.py --out_dir=DIR [--start=TEXT] [--scores=True]",
+                    __doc__.strip().splitlines()[0], interpret)
 
 
 if __name__ == "__main__":

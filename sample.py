@@ -18,7 +18,7 @@ import torch
 import generate
 import speculative
 from checkpoint import ContextKeys, load_for
-from configurator import ConfigError, DataError, checked, cli_main, keys_of, parse_config, read_prompt, unescape
+from configurator import ConfigError, DataError, checked, command_line, keys_of, read_prompt, unescape
 from device import DEVICES, pick_device
 from generate import Sampling, check_max_new_tokens
 from quantize import WEIGHTS_DTYPES, for_inference, precision_line
@@ -213,13 +213,9 @@ def sample(c):
         print(draft.summary(), file=sys.stderr)
 
 
-def main(argv=None):
-    def command(argv):
-        c, _ = parse_config(SampleConfig, argv, "python sample.py [config_file ...] [--key=value ...]",
-                            __doc__.strip().splitlines()[0], keys_of(SampleConfig, SAMPLE_CHOICES, base=ContextKeys), RENAMED)
-        sample(c)
-
-    cli_main(command, argv)
+main = command_line(SampleConfig, "python sample.py [config_file ...] [--key=value ...]",
+                    __doc__.strip().splitlines()[0], sample,
+                    keys_of(SampleConfig, SAMPLE_CHOICES, base=ContextKeys), RENAMED)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from checkpoint import ContextKeys, load_for
-from configurator import ConfigError, DataError, checked, cli_main, keys_of, parse_config
+from configurator import ConfigError, DataError, checked, command_line, keys_of
 from device import DEVICES, pick_device
 from engine import Engine, Job, QueueFull
 from generate import Sampling
@@ -625,13 +625,9 @@ def stop_serving(signum, frame):
     raise KeyboardInterrupt  # SIGTERM ends the engine's loop as Ctrl-C does; the HTTP thread then stops
 
 
-def main(argv=None):
-    def command(argv):
-        c, _ = parse_config(ServeConfig, argv, "python serve.py [config_file ...] [--key=value ...]",
-                            __doc__.strip().splitlines()[0], keys_of(ServeConfig, SERVE_CHOICES, base=ContextKeys))
-        serve(c)
-
-    cli_main(command, argv)
+main = command_line(ServeConfig, "python serve.py [config_file ...] [--key=value ...]",
+                    __doc__.strip().splitlines()[0], serve,
+                    keys_of(ServeConfig, SERVE_CHOICES, base=ContextKeys))
 
 
 if __name__ == "__main__":
