@@ -314,7 +314,7 @@ def greedy_reply(model, tokenizer, messages, max_new_tokens, device, task):
                         f"context of {limit}: no room for a reply; lower chats_fewshot or raise block_size")
     room = max_new_tokens if limit is None else min(max_new_tokens, limit + 1 - len(prompt))  # as chat.py's
     eos = tokenizer.end_token if isinstance(tokenizer, ChatTokenizer) else None
-    out = generate.generate(model, torch.tensor([prompt], device=device), room, Sampling(temperature=0), eos)
+    out = generate.generate(model, torch.tensor([prompt], device=device), room, Sampling(temperature=0), eos_token_id=eos)
     return reply_of(tokenizer, prompt, out[0, len(prompt) :].tolist())
 
 

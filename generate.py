@@ -117,7 +117,7 @@ def next_logits(model, seq, length, cache=None):
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, sampling=Sampling(), eos_token_id=None, use_cache=True, generator=None,
+def generate(model, idx, max_new_tokens, sampling=Sampling(), *, eos_token_id=None, use_cache=True, generator=None,
              step=None):
     """Continues each row of idx (B, T; rows of equal length) by up to max_new_tokens tokens.
 
@@ -131,11 +131,13 @@ def generate(model, idx, max_new_tokens, sampling=Sampling(), eos_token_id=None,
     generator: None, a torch.Generator, or a list of one per row (row i then draws exactly the tokens
     a batch of one with that generator would). step: as stream's (StaticDecode: the compiled step).
     Speculative decoding: speculative.generate."""
-    return torch.cat([idx, *stream(model, idx, max_new_tokens, sampling, eos_token_id, use_cache, generator, step)], dim=1)
+    columns = stream(model, idx, max_new_tokens, sampling, eos_token_id=eos_token_id, use_cache=use_cache,
+                     generator=generator, step=step)
+    return torch.cat([idx, *columns], dim=1)
 
 
 @torch.no_grad()
-def stream(model, idx, max_new_tokens, sampling=Sampling(), eos_token_id=None, use_cache=True, generator=None,
+def stream(model, idx, max_new_tokens, sampling=Sampling(), *, eos_token_id=None, use_cache=True, generator=None,
            step=None):
     """generate() one step at a time: yields each new (B, 1) column of tokens as soon as it exists.
 

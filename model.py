@@ -485,14 +485,16 @@ class GPT(nn.Module):
         return self.lm_head(self.hidden_states(idx, cache)[:, -last:])
 
     # Sampling and the decode loop live in generate.py; these keep the names nanoGPT users type.
-    def generate(self, idx, max_new_tokens, sampling=Sampling(), eos_token_id=None, use_cache=True, generator=None):
-        """generate.generate(self, ...): continues each row of idx by up to max_new_tokens tokens."""
-        return generate.generate(self, idx, max_new_tokens, sampling, eos_token_id, use_cache, generator)
+    def generate(self, idx, max_new_tokens, sampling=Sampling(), **keys):
+        """generate.generate(self, ...): continues each row of idx by up to max_new_tokens tokens.
 
-    def stream(self, idx, max_new_tokens, sampling=Sampling(), eos_token_id=None, use_cache=True, generator=None,
-               step=None):
+        keys: eos_token_id, use_cache, generator, step (keyword-only, as generate.generate names them).
+        """
+        return generate.generate(self, idx, max_new_tokens, sampling, **keys)
+
+    def stream(self, idx, max_new_tokens, sampling=Sampling(), **keys):
         """generate.stream(self, ...): yields each new (B, 1) column of tokens as soon as it exists."""
-        return generate.stream(self, idx, max_new_tokens, sampling, eos_token_id, use_cache, generator, step)
+        return generate.stream(self, idx, max_new_tokens, sampling, **keys)
 
     def flops_per_token(self, seq_len):
         """Training (forward + backward) FLOPs per token, as in the PaLM paper's appendix.

@@ -120,7 +120,7 @@ def generate_texts(model, tokenizer, prompt, c, device, draft=None):
     eos = stop_token(tokenizer, c.stop)
     log_precision(c, device, ids, model.config)
     if draft is None:
-        out = generate.generate(model, idx, c.max_new_tokens, sampling_of(c), eos, generator=generators,
+        out = generate.generate(model, idx, c.max_new_tokens, sampling_of(c), eos_token_id=eos, generator=generators,
                                 step=compiled_step(model, c, generators))
     else:
         out = speculative.generate(model, idx, c.max_new_tokens, sampling_of(c), draft, eos, generators)
@@ -141,7 +141,7 @@ def stream_text(model, tokenizer, prompt, c, device, write, draft=None):
     log_precision(c, device, ids, model.config)
     write(prompt)  # as batch mode prints it: the prompt, then the sample
     if draft is None:
-        columns = generate.stream(model, idx, c.max_new_tokens, sampling_of(c), eos, generator=generator,
+        columns = generate.stream(model, idx, c.max_new_tokens, sampling_of(c), eos_token_id=eos, generator=generator,
                                   step=compiled_step(model, c, generator))
     else:
         columns = speculative.stream(model, idx, c.max_new_tokens, sampling_of(c), draft, eos, generator)

@@ -197,7 +197,7 @@ def stream(model, idx, max_new_tokens, sampling, draft, eos_token_id=None, gener
     def step(seq, length, end, cache):
         return draft.step(model, seq, length, end, cache, sampling, one)
 
-    return decoding.stream(model, idx, max_new_tokens, sampling, eos_token_id, True, generator, step=step)
+    return decoding.stream(model, idx, max_new_tokens, sampling, eos_token_id=eos_token_id, generator=generator, step=step)
 
 
 def row_generator(generator, i):

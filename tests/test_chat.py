@@ -136,7 +136,7 @@ def test_a_second_turn_runs_only_its_new_tokens_and_equals_a_fresh_run():
     assert conversation.ids[: len(before)] == before
     messages = conversation.messages[:-1]
     prompt = tokenizer.render(messages, add_generation_prompt=True)[0]
-    fresh = generate.generate(model, torch.tensor([prompt]), 8, generate.Sampling(temperature=0), tokenizer.end_token,
+    fresh = generate.generate(model, torch.tensor([prompt]), 8, generate.Sampling(temperature=0), eos_token_id=tokenizer.end_token,
                               use_cache=False)[0, len(prompt) :].tolist()
     fresh = fresh[: next((i for i, t in enumerate(fresh) if t in tokenizer.names), len(fresh))]  # up to a chat token
     assert tokenizer.decode(fresh) == reply and conversation.messages[-1] == {"role": "assistant", "content": reply}

@@ -173,9 +173,9 @@ STATIC_CASES = {
 def eager_and_static(model, sampling, new_tokens, compile, eos=None, prompt_len=7):
     idx = torch.randint(0, 61, (3, prompt_len), generator=torch.Generator().manual_seed(1))
     gens = lambda: [torch.Generator().manual_seed(10 + i) for i in range(3)]  # noqa: E731
-    eager = model.generate(idx, new_tokens, sampling, eos, generator=gens())
+    eager = model.generate(idx, new_tokens, sampling, eos_token_id=eos, generator=gens())
     g = gens()
-    static = generate.generate(model, idx, new_tokens, sampling, eos, generator=g,
+    static = generate.generate(model, idx, new_tokens, sampling, eos_token_id=eos, generator=g,
                                step=generate.StaticDecode(model, sampling, g, compile=compile))
     return eager, static
 
