@@ -15,7 +15,7 @@ Attention), never by its letter or class:
   mask_mod(config)          the same mask as FlexAttention's mask_mod(b, h, q_idx, kv_idx) for queries and
                             keys from position 0, or None (no FlexAttention form): layer_mask uses it on GPUs
   keys_per_query(config, seq_len)   how many keys a query meets: FLOPs and MFU (GPT.flops_per_token)
-  softmax                   True when it forms softmax weights (interpret.py records them through attend)
+  softmax                   True when it forms softmax weights (probes.py records them through attend)
   exports_as                what transformers calls this attention, when it is exactly that: "full" (Llama,
                             GPT-2), "window" (Mistral), or None; never inherited (register() sets None on a
                             class that does not declare it), so a subclass that changes the math exports as nothing

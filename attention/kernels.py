@@ -30,7 +30,7 @@ def attention_scores(q, k, mask):
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))
     if mask is None:
         mask = visible(k.size(2) - q.size(2), q.size(2), 0, k.size(2), None, q.device)
-    if isinstance(mask, FlexMask):  # (interpret.recording and the explicit kernel take the dense form)
+    if isinstance(mask, FlexMask):  # (probes.recording and the explicit kernel take the dense form)
         mask = mask.dense()
     if mask.dtype == torch.bool:
         return scores.masked_fill(~mask, float("-inf"))
