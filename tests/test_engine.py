@@ -24,14 +24,25 @@ def test_rows_sample_as_each_would_alone():
 
 
 def test_the_engine_imports_no_http_package():
-    """engine.py stands below serve.py: a test or another front end drives it without FastAPI."""
-    import subprocess
+    """engine.py stands below serve.py: no module it imports, itself or through others, imports an HTTP package
+    (the imports read from the code, lazy ones included, as tools/imports.py reads them)."""
     import sys
 
     from conftest import ROOT
 
-    code = "import sys, engine; print(sorted(m for m in ('fastapi', 'uvicorn', 'starlette', 'serve') if m in sys.modules))"
-    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True).stdout.strip() == "[]"
+    sys.path.insert(0, str(ROOT / "tools"))
+    import imports
+
+    edges, files = imports.graph(), imports.modules()
+    reached, todo = set(), ["engine"]
+    while todo:
+        name = todo.pop()
+        if name not in reached:
+            reached.add(name)
+            todo += edges[name]
+    assert "serve" not in reached and "generate" in reached
+    http = {name: imports.imported_names(f) & {"fastapi", "uvicorn", "starlette", "http"} for name in reached for f in files[name]}
+    assert not any(http.values()), http
 
 
 @pytest.mark.parametrize("case", [{}, dict(pos_emb="alibi"), dict(pos_emb="rope", attn_pattern="RS", attn_window=5),
