@@ -1,7 +1,8 @@
 """
 Exports a train.py checkpoint as a Hugging Face model directory that transformers loads:
 config.json + model.safetensors (AutoModelForCausalLM) and the tokenizer (AutoTokenizer; sample.py
---init_from=DIR reads it too).
+--init_from=DIR reads it too). Or, with --gguf=FILE.gguf, as one GGUF file that llama.cpp (Ollama, LM
+Studio) runs: --gguf_type=f32|f16|bf16|q8_0 (gguf_file.py says which shapes and tokenizers it carries).
 
 Only architectures transformers has can be exported (docs/guide.md: Hugging Face weights): GPT-2-shaped
 configs as GPT2LMHeadModel, Llama-shaped ones (pos_emb=rope, norm=rmsnorm, mlp=swiglu, bias=False) as
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from checkpoint import load_any
 from configurator import ConfigError, cli_main, parse_config
+from gguf_file import FTYPES, arch_of, gguf_vocab, write_gguf
 from hf import hf_family, save_tokenizer
 from tokenizer import tokenizer_from_meta
 
@@ -30,6 +32,8 @@ class ExportConfig:
     out_dir: str = "out"  # the training run whose ckpt.pt to export
     hf_dir: str = "hf-export"  # the Hugging Face directory to write
     overwrite: bool = False  # hf_dir holds files already: False refuses, True replaces the files an export writes
+    gguf: str = ""  # write this GGUF file (llama.cpp) instead of hf_dir; "" = the Hugging Face directory
+    gguf_type: str = "f32"  # the GGUF's weights: f32 | f16 | bf16 | q8_0 (norms and biases stay f32)
 
 
 # what an export writes (hf.save_pretrained, hf.save_tokenizer): replaced together with overwrite=True, so
@@ -52,14 +56,38 @@ def check_target(hf_dir, overwrite):
             os.remove(os.path.join(hf_dir, name))
 
 
+def export_gguf(c, model, state):
+    """The GGUF file, written whole beside its name and then renamed: a refusal or a failure leaves nothing."""
+    if c.gguf_type not in FTYPES:
+        raise ConfigError(f"gguf_type={c.gguf_type!r}: use one of {', '.join(FTYPES)}")
+    if os.path.isdir(c.gguf):
+        raise ConfigError(f"gguf={c.gguf} is a folder; give the file to write, e.g. --gguf=model.gguf")
+    if os.path.exists(c.gguf) and not c.overwrite:
+        raise ConfigError(f"gguf={c.gguf} exists: --overwrite=True replaces it, or give another --gguf")
+    arch_of(model.config)  # a shape or tokenizer llama.cpp cannot run stops here, before any file
+    gguf_vocab(state["tokenizer"], model.config.vocab_size)
+    partial = f"{c.gguf}.partial"
+    try:
+        arch = write_gguf(model, state["tokenizer"], partial, c.gguf_type)
+        os.replace(partial, c.gguf)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+    size = os.path.getsize(c.gguf) / 2**20
+    print(f"wrote {c.gguf} ({arch}, {c.gguf_type}, {model.get_num_params():,} parameters, {size:.1f} MB): "
+          f"llama-cli -m {c.gguf}, or Ollama with FROM ./{os.path.basename(c.gguf)} in a Modelfile")
+
+
 def main(argv=None):
     def command(argv):
-        c, _ = parse_config(ExportConfig, argv, "python export.py --out_dir=DIR --hf_dir=DIR [--overwrite=True]",
-                            __doc__.strip().splitlines()[0])
+        c, _ = parse_config(ExportConfig, argv, "python export.py --out_dir=DIR (--hf_dir=DIR | --gguf=FILE.gguf) "
+                            "[--overwrite=True]", __doc__.strip().splitlines()[0])
         model, _, state = load_any(c.out_dir)
         if state is None:
             raise ConfigError(f"out_dir={c.out_dir} is a Hugging Face model already; export takes a training run's out_dir")
         tokenizer_from_meta(state["tokenizer"])  # a tokenizer that cannot load (tiktoken offline) stops it here, before any file
+        if c.gguf:
+            return export_gguf(c, model, state)
         hf_family(model.config)  # so does a shape transformers has no class for
         check_target(c.hf_dir, c.overwrite)
         model.save_pretrained(c.hf_dir)
