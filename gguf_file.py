@@ -18,6 +18,8 @@ chat model's four template tokens are control tokens, its template is written in
 <|end|>. No beginning-of-text token is added, as we add none.
 """
 
+import functools
+
 import numpy as np
 import torch
 
@@ -157,6 +159,7 @@ def write_gguf(model, tokenizer_meta, path, ftype="f32"):
 # The tokenizer, as GPT-2's byte-level BPE
 
 
+@functools.cache
 def byte_chars():
     """GPT-2's map of the 256 bytes to printable characters (the byte-level BPE's alphabet)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -176,20 +179,18 @@ def as_byte_level(data):
 
 
 def tiktoken_merges(enc):
-    """(tokens, merges) of a tiktoken encoding: each token's bytes in byte-level form, and the merge that
-    makes each multi-byte token, found by merging its bytes in rank order up to its own rank (the
-    inverse of tiktoken's training order)."""
+    """The merges of a tiktoken encoding in byte-level form, one per multi-byte token in rank order: the pair its
+    bytes come to when merged by rank up to its own (how tiktoken's training made it)."""
     ranks = enc._mergeable_ranks
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        if len(token) == 1:
-            continue
-        parts = [bytes([b]) for b in token]
+        parts = [token[i : i + 1] for i in range(len(token))]
         while len(parts) > 2:
-            best = min(range(len(parts) - 1), key=lambda i: ranks.get(parts[i] + parts[i + 1], 1 << 62))
-            if ranks.get(parts[best] + parts[best + 1], 1 << 62) >= rank:
+            pairs = [(ranks.get(parts[i] + parts[i + 1], rank), i) for i in range(len(parts) - 1)]
+            best, i = min(pairs)
+            if best >= rank:
                 break
-            parts[best : best + 2] = [parts[best] + parts[best + 1]]
+            parts[i : i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) == 2:
             merges.append(f"{as_byte_level(parts[0])} {as_byte_level(parts[1])}")
     return merges

@@ -1,0 +1,124 @@
+"""gguf_file.py and export.py --gguf: the GGUF holds what llama.cpp reads (keys, tensors in its names and layouts,
+the tokenizer as GPT-2's byte-level BPE), transformers' own GGUF loader gives our logits, and what llama.cpp
+cannot run is refused in one line with nothing written. (Against llama.cpp itself: tools/llamacpp.py.)"""
+
+import os
+
+import pytest
+import torch
+from conftest import build, make_text, one_error_line, run_main
+
+gguf = pytest.importorskip("gguf", reason="GGUF export needs the gguf package (requirements-dev.txt)")
+
+import gguf_file  # noqa: E402
+
+LLAMA = dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False)
+SHAPES = {"llama": dict(LLAMA, n_kv_head=2, tie_embeddings=False), "qwen3": dict(LLAMA, qk_norm=True, n_kv_head=2),
+          "gpt2": dict(pos_emb="learned", norm="layernorm", mlp="gelu", bias=True), "arcee": dict(LLAMA, mlp="relu2")}  # fmt: skip
+CHARS = "".join(sorted(set(make_text(3000) + "é…")))
+
+
+def model_of(shape):
+    torch.manual_seed(0)
+    model = build(**SHAPES[shape], vocab_size=len(CHARS), block_size=32).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_the_file_holds_the_keys_and_tensors_llama_cpp_reads(shape, tmp_path):
+    model = model_of(shape)
+    path = str(tmp_path / "m.gguf")
+    assert gguf_file.write_gguf(model, {"kind": "char", "chars": CHARS}, path) == shape
+    reader = gguf.GGUFReader(path)
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    c = model.config
+    assert field("general.architecture") == shape and field(f"{shape}.block_count") == c.n_layer
+    assert field(f"{shape}.context_length") == c.block_size and field(f"{shape}.embedding_length") == c.n_embd
+    assert field("tokenizer.ggml.model") == "gpt2" and len(field("tokenizer.ggml.tokens")) == c.vocab_size
+    assert field("tokenizer.ggml.add_bos_token") is False
+    names = {t.name for t in reader.tensors}
+    per_layer = {"attn_norm", "attn_output", "ffn_norm", "ffn_up", "ffn_down"} | (
+        {"attn_qkv"} if shape == "gpt2" else {"attn_q", "attn_k", "attn_v"}) | ({"ffn_gate"} if shape in ("llama", "qwen3") else set()) | (
+        {"attn_q_norm", "attn_k_norm"} if shape == "qwen3" else set())  # fmt: skip
+    assert {n.split(".")[2] for n in names if n.startswith("blk.1.")} == per_layer
+    assert ("output.weight" in names) == (not c.tie_embeddings) and "token_embd.weight" in names
+
+
+@pytest.mark.parametrize("shape", ["llama", "qwen3", "gpt2"])
+def test_transformers_reads_our_gguf_with_our_logits(shape, tmp_path):
+    """transformers' GGUF loader (its own reading of llama.cpp's names and its un-permuting of q and k) gives
+    our logits within 1e-4 in f32. Two keys its mapping drops are given back by hand: GPT-2's n_positions
+    (it reads context_length as n_ctx) and Qwen3's head_dim (it ignores key_length)."""
+    transformers = pytest.importorskip("transformers")
+    model = model_of(shape)
+    gguf_file.write_gguf(model, {"kind": "char", "chars": CHARS}, str(tmp_path / "m.gguf"))
+    fixes = {"gpt2": {"n_positions": 32}, "qwen3": {"head_dim": model.config.n_embd // model.config.n_head}}.get(shape, {})
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32,
+                                                               **fixes).eval()
+    idx = torch.randint(0, len(CHARS), (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (model(idx)[0] - theirs(idx).logits).abs().max().item() <= 1e-4
+
+
+def bpe_of(tokens, merges):
+    """A Hugging Face tokenizer from a GGUF's vocabulary as llama.cpp's gpt2 model reads it: GPT-2's pre-tokenizer,
+    byte-level, these merges."""
+    tk = pytest.importorskip("tokenizers")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ")) for m in merges]
+    for left, right in pairs:  # llama.cpp merges by rank alone; Hugging Face's BPE wants each result in its vocab
+        for piece in (left, right, left + right):
+            vocab.setdefault(piece, len(vocab))
+    tok = tk.Tokenizer(tk.models.BPE(vocab, pairs))
+    tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return tok
+
+
+MIXED = make_text(4000) + "\n\tTabs, digits 1234567 and 3.14, naïve café, emoji 🙂, 日本語.\n"
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe", "gpt2"])
+def test_the_vocabulary_encodes_text_as_ours_does(kind, tmp_path):
+    """The tokens and merges written, run as a byte-level BPE, give our ids on a mixed text (characters: on the
+    text's own characters)."""
+    from tokenizer import BPETokenizer, TiktokenTokenizer, char_tokenizer_for
+
+    if kind == "char":
+        ours = char_tokenizer_for(MIXED)
+    elif kind == "bpe":
+        ours = BPETokenizer.train(make_text(20000), 400)
+    else:
+        try:
+            ours = TiktokenTokenizer("gpt2")
+        except Exception as e:  # no tiktoken cache and no network
+            pytest.skip(f"tiktoken gpt2 files unavailable: {e}")
+    tokens, types, merges, special = gguf_file.gguf_vocab(ours.meta(), ours.vocab_size)
+    assert len(tokens) == len(types) == ours.vocab_size
+    ids = bpe_of(tokens, merges).encode(MIXED).ids
+    assert ids == ours.encode(MIXED) and len(ids) > 1000
+
+
+@pytest.mark.parametrize("keys, message", [
+    (dict(pos_emb="alibi"), "needs pos_emb='learned'"),
+    (dict(LLAMA, attn_pattern="S", attn_window=8), "attn_window=8 is shorter than block_size=32"),
+    (dict(LLAMA, attn_pattern="R"), "attn_pattern="),
+    (dict(LLAMA, norm_placement="post"), "norm_placement='pre'"),
+])  # fmt: skip
+def test_what_llama_cpp_cannot_run_is_one_line_and_no_file(keys, message, tmp_path):
+    model = build(**keys, vocab_size=len(CHARS), block_size=32)
+    with pytest.raises(gguf_file.GGUFError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        gguf_file.write_gguf(model, {"kind": "char", "chars": CHARS}, str(tmp_path / "m.gguf"))
+    assert not os.listdir(tmp_path)
+
+
+def test_export_writes_a_gguf_and_refuses_to_overwrite_it(tmp_path, trained_run):
+    path = tmp_path / "run.gguf"
+    done = run_main("export.py", f"--out_dir={trained_run}", f"--gguf={path}", "--gguf_type=q8_0")
+    assert done.returncode == 0 and path.exists() and "q8_0" in done.stdout, done.stderr
+    again = run_main("export.py", f"--out_dir={trained_run}", f"--gguf={path}")
+    assert again.returncode == 2 and "--overwrite=True replaces it" in one_error_line(again)
+    bad = run_main("export.py", f"--out_dir={trained_run}", f"--gguf={tmp_path / 'x.gguf'}", "--gguf_type=q4")
+    assert bad.returncode == 2 and "gguf_type='q4'" in one_error_line(bad) and not (tmp_path / "x.gguf").exists()
