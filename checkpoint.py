@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+import gguf_file
 import lora
 from configurator import UserError, checked
 from dataset import atomic_write
@@ -212,9 +213,12 @@ def run_tokenizer(run):
 
 def load_any(spec, with_tokenizer=True):
     """(model, tokenizer, checkpoint state or None) for spec: a training run's out_dir (it holds ckpt.pt),
-    a Hugging Face model directory (config.json) or a pretrained name (gpt2 ... gpt2-xl). Anything else
+    a Hugging Face model directory (config.json), a pretrained name (gpt2 ... gpt2-xl) or a GGUF file. Anything else
     is read as a run, whose error says what is missing. with_tokenizer=False: None for the tokenizer,
     for callers that need none (loading one can need the tiktoken cache or a tokenizer.json)."""
+    if spec.endswith(".gguf") and os.path.isfile(spec):  # llama.cpp's format: ours exported, or downloaded
+        model, tokenizer = gguf_file.load_gguf(spec, lambda keys: GPT(GPTConfig(**keys)))
+        return model, tokenizer if with_tokenizer else None, None
     is_run = os.path.exists(os.path.join(spec, CHECKPOINT))
     if not is_run and (spec in GPT2_HUB_NAMES or os.path.exists(os.path.join(spec, "config.json"))):
         model = GPT.from_pretrained(spec)

@@ -251,3 +251,150 @@ def gguf_vocab(meta, vocab_size):
     tokens += [f"[PAD{i}]" for i in range(pad)]  # rows no text reaches (a vocabulary rounded up for speed)
     types += [UNUSED] * pad
     return tokens, types, merges, special
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reading a GGUF back: the architectures written above, from here or elsewhere
+
+FAMILIES = {"gpt2": "gpt2", "llama": "llama", "qwen3": "qwen3", "arcee": "arcee"}  # llama.cpp arch -> hf family
+
+
+def f32_value(value):
+    """A float GGUF stored as float32, as the decimal it was written from (1e-05, not 9.999999747378752e-06)."""
+    return float(f"{np.float32(value):.7g}")
+
+
+def config_keys(fields, arch, vocab_size):
+    """Our GPTConfig keys from a GGUF's hyperparameters."""
+    get = lambda key, default=None: fields[f"{arch}.{key}"].contents() if f"{arch}.{key}" in fields else default  # noqa: E731
+    n_embd, n_head = get("embedding_length"), get("attention.head_count")
+    keys = dict(block_size=get("context_length"), vocab_size=vocab_size, n_layer=get("block_count"), n_head=n_head,
+                n_embd=n_embd, mlp_hidden=get("feed_forward_length"))
+    if get("attention.key_length", n_embd // n_head) != n_embd // n_head:
+        raise GGUFError(f"attention.key_length={get('attention.key_length')} is not embedding_length / head_count; "
+                        "such heads are not supported")
+    if arch == "gpt2":
+        return keys | dict(pos_emb="learned", norm="layernorm", mlp="gelu", bias=True,
+                           norm_eps=f32_value(get("attention.layer_norm_epsilon")))
+    keys |= dict(n_kv_head=get("attention.head_count_kv", n_head), pos_emb="rope", norm="rmsnorm", bias=False,
+                 norm_eps=f32_value(get("attention.layer_norm_rms_epsilon")), rope_theta=f32_value(get("rope.freq_base", 10000.0)),
+                 mlp="relu2" if arch == "arcee" else "swiglu", qk_norm=arch == "qwen3")
+    scaling = get("rope.scaling.type")
+    if scaling not in (None, "none"):
+        if scaling not in ("linear", "yarn"):
+            raise GGUFError(f"rope.scaling.type={scaling!r} is not supported (linear and yarn are)")
+        keys |= dict(rope_scaling=scaling, rope_factor=f32_value(get("rope.scaling.factor")),
+                     trained_block_size=get("rope.scaling.original_context_length"))
+    return keys
+
+
+def read_gguf(path, build):
+    """(the model build(keys) makes with the file's weights, dequantized to fp32; its tokenizer's parts) from a GGUF
+    of the architectures write_gguf writes. The parts: tokens, token types, merges, and the special ids."""
+    gguf = gguf_package()
+    try:
+        reader = gguf.GGUFReader(path)
+    except (OSError, ValueError) as e:
+        raise GGUFError(f"{path}: not a GGUF file llama.cpp's reader can open ({e})") from None
+    fields = reader.fields
+    arch = fields["general.architecture"].contents()
+    if arch not in FAMILIES:
+        raise GGUFError(f"{path}: architecture {arch!r} is not supported; supported: {', '.join(FAMILIES)}")
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    tied = "output.weight" not in {t.name for t in reader.tensors}  # llama.cpp's head is the embedding then
+    model = build(config_keys(fields, arch, len(tokens)) | {"tie_embeddings": tied})
+    c = model.config
+    # the names write_gguf gives each of our weights, read backwards (a tied head's absent output included)
+    ours_to_theirs = {}
+    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+    hf_names = hf.HF_FAMILIES[FAMILIES[arch]][3](state, c)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), c.n_layer)
+    for name in hf_names:
+        ours_to_theirs[names.get_name(name, try_suffixes=(".weight", ".bias"))] = name
+    hf_state = {}
+    for t in reader.tensors:
+        if t.name not in ours_to_theirs:
+            raise GGUFError(f"{path}: tensor {t.name} has no place in a {arch} model of this shape")
+        data = gguf.quants.dequantize(t.data, t.tensor_type) if t.tensor_type not in (
+            gguf.GGMLQuantizationType.F32,) else np.asarray(t.data)
+        w = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(tuple(reversed([int(n) for n in t.shape])))
+        name = ours_to_theirs[t.name]
+        if arch == "gpt2" and w.dim() == 2 and name not in ("transformer.wte.weight", "transformer.wpe.weight", "lm_head.weight"):
+            w = w.t()
+        if arch in ("llama", "arcee") and name.endswith("q_proj.weight"):
+            w = unpermute_pairs(w, c.n_head)
+        elif arch in ("llama", "arcee") and name.endswith("k_proj.weight"):
+            w = unpermute_pairs(w, c.n_kv_head)
+        hf_state[name] = w
+    ours = hf.HF_FAMILIES[FAMILIES[arch]][1](hf_state, c)
+    if c.tie_embeddings:
+        ours["lm_head.weight"] = ours["tok_emb.weight"]
+    missing = set(state) - set(ours)
+    if missing:
+        raise GGUFError(f"{path}: weights missing for {sorted(missing)[:3]}")
+    model.load_state_dict({k: ours[k] for k in state})
+    special = {key: fields[f"tokenizer.ggml.{key}_token_id"].contents() for key in ("bos", "eos")
+               if f"tokenizer.ggml.{key}_token_id" in fields}
+    merges = fields["tokenizer.ggml.merges"].contents() if "tokenizer.ggml.merges" in fields else []
+    return model, (tokens, fields["tokenizer.ggml.token_type"].contents(), merges, special)
+
+
+def unpermute_pairs(w, n_head):
+    """permute_pairs undone: llama.cpp's interleaved pairs back to rotate-half order."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tokenizer_of(parts):
+    """Our tokenizer for a GGUF's vocabulary: a character vocabulary, tiktoken's gpt2, or else a byte-level BPE
+    (as Hugging Face's tokenizers runs it); with the chat template's four tokens last, a ChatTokenizer over it."""
+    import json
+
+    from tokenizer import BPETokenizer, CharTokenizer, ChatTokenizer, TiktokenTokenizer
+
+    gguf = gguf_package()
+    tokens, types, merges, special = parts
+    used = [i for i, kind in enumerate(types) if kind != gguf.TokenType.UNUSED]
+    tokens, types = [tokens[i] for i in used], [types[i] for i in used]
+    chat = tokens[-len(CHAT_TOKENS):] == list(CHAT_TOKENS)
+    if chat:
+        tokens, types = tokens[: -len(CHAT_TOKENS)], types[: -len(CHAT_TOKENS)]
+    unbyte = {ch: b for b, ch in byte_chars().items()}
+
+    def text_of(token):
+        try:
+            return bytes(unbyte[ch] for ch in token).decode("utf-8")
+        except (KeyError, UnicodeDecodeError):
+            return None
+
+    texts = [text_of(t) for t in tokens]
+    if all(text is not None and len(text) == 1 for text in texts) and gguf.TokenType.CONTROL not in types:
+        base = CharTokenizer("".join(texts))
+    elif len(tokens) == 50257 and tokens[50256] == EOT and tiktoken_gpt2_tokens()[:50256] == tokens[:50256]:
+        base = TiktokenTokenizer("gpt2")
+    else:
+        vocab = {t: i for i, t in enumerate(tokens)}
+        added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
+                  "special": True} for i, (t, kind) in enumerate(zip(tokens, types)) if kind == gguf.TokenType.CONTROL]
+        spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
+                "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+                "post_processor": None,
+                "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+                "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                          "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                          "vocab": vocab, "merges": [m.split(" ") for m in merges]}}
+        base = BPETokenizer(json.dumps(spec, ensure_ascii=False))
+    return ChatTokenizer(base) if chat else base
+
+
+@functools.cache
+def tiktoken_gpt2_tokens():
+    import tiktoken
+
+    enc = tiktoken.get_encoding("gpt2")
+    return [as_byte_level(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab - 1)] + [EOT]
+
+
+def load_gguf(path, build):
+    """(model, tokenizer) from a GGUF file: read_gguf and tokenizer_of."""
+    model, parts = read_gguf(path, build)
+    return model, tokenizer_of(parts)

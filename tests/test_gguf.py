@@ -122,3 +122,21 @@ def test_export_writes_a_gguf_and_refuses_to_overwrite_it(tmp_path, trained_run)
     assert again.returncode == 2 and "--overwrite=True replaces it" in one_error_line(again)
     bad = run_main("export.py", f"--out_dir={trained_run}", f"--gguf={tmp_path / 'x.gguf'}", "--gguf_type=q4")
     assert bad.returncode == 2 and "gguf_type='q4'" in one_error_line(bad) and not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_our_reader_gives_back_what_we_wrote(shape, tmp_path):
+    """f32: the same config and weights bit for bit, and the same tokenizer; q8_0: weights within Q8_0's bound
+    (a step of the largest block scale, max|w| / 127: half a step of rounding, and the scale's own in f16)."""
+    from checkpoint import load_any
+
+    model = model_of(shape)
+    meta = {"kind": "chat", "base": {"kind": "char", "chars": CHARS[:-4]}} if shape == "arcee" else {"kind": "char", "chars": CHARS}
+    for ftype in ("f32", "q8_0"):
+        path = str(tmp_path / f"{ftype}.gguf")
+        gguf_file.write_gguf(model, meta, path, ftype)
+        back, tokenizer, state = load_any(path)
+        assert back.config == model.config and state is None and tokenizer.meta() == meta
+        for (name, a), b in zip(model.state_dict().items(), back.state_dict().values()):
+            bound = 0 if ftype == "f32" or a.dim() == 1 else a.abs().max().item() / 127
+            assert (a - b).abs().max().item() <= bound, (ftype, name)
