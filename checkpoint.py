@@ -216,7 +216,9 @@ def load_any(spec, with_tokenizer=True):
     a Hugging Face model directory (config.json), a pretrained name (gpt2 ... gpt2-xl) or a GGUF file. Anything else
     is read as a run, whose error says what is missing. with_tokenizer=False: None for the tokenizer,
     for callers that need none (loading one can need the tiktoken cache or a tokenizer.json)."""
-    if spec.endswith(".gguf") and os.path.isfile(spec):  # llama.cpp's format: ours exported, or downloaded
+    if spec.endswith(".gguf"):  # llama.cpp's format: ours exported, or downloaded
+        if not os.path.isfile(spec):
+            raise CheckpointError(f"{spec}: no such GGUF file")
         model, tokenizer = gguf_file.load_gguf(spec, lambda keys: GPT(GPTConfig(**keys)))
         return model, tokenizer if with_tokenizer else None, None
     is_run = os.path.exists(os.path.join(spec, CHECKPOINT))

@@ -237,6 +237,19 @@ def same_tokenizer(a, b):
         return False
 
 
+def same_vocabulary(a, b):
+    """Whether two tokenizers have the same tokens at the same ids and encode text alike, whatever their meta says
+    (a GGUF's byte-level BPE read back against the bpe:N it was written from)."""
+    def ids(tokenizer, text):
+        try:
+            return tokenizer.encode(text)
+        except DataError:  # a character vocabulary without some of the probe's characters: both should refuse
+            return None
+
+    return (a.vocab_size == b.vocab_size and all(a.decode([i]) == b.decode([i]) for i in range(a.vocab_size))
+            and all(ids(a, t) == ids(b, t) for t in PROBES))
+
+
 def tokenizer_from_meta(meta):
     if meta.get("kind") == "chat":
         return ChatTokenizer(tokenizer_from_meta(meta["base"]))

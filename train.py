@@ -22,7 +22,8 @@ from typing import Optional
 
 import torch
 
-from checkpoint import CHECKPOINT, METRICS, ContextKeys, RunLock, RunState, load_checkpoint, load_model, lora_model, tokens_per_step
+from checkpoint import (CHECKPOINT, METRICS, ContextKeys, RunLock, RunState, load_any, load_checkpoint, load_model, lora_model,
+                        tokens_per_step, with_dropout)
 from configurator import ConfigError, DataError, checked, cli_main, keys_of, parse_config
 from dataset import BatchSampler, ConversationSampler, is_masked_dataset, open_split, read_meta, resolve_dataset
 from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
@@ -32,7 +33,7 @@ import lora
 from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, ModelKeys, lm_loss, model_config, model_helps
 from optim import OPTIMIZERS, build_optimizers, clip_gradients, get_lr
 from probes import best, head_scores, recording
-from tokenizer import CHAT_TOKENS, describe_meta, tokenizer_from_meta
+from tokenizer import CHAT_TOKENS, describe_meta, describe_tokenizer, same_vocabulary, tokenizer_from_meta
 
 @dataclass
 class TrainConfig(ModelKeys):  # and every model key (model.ModelKeys)
@@ -652,6 +653,13 @@ def load_model_for(c, explicit, data_meta, ckpt, notes):
     if overridden:
         raise ConfigError(f"init_from={c.init_from}: the pretrained model fixes {', '.join(overridden)}; "
                           "drop those keys (only dropout can change)")
+    if c.init_from.endswith(".gguf"):  # llama.cpp's file: its vocabulary must be the dataset's
+        model, source, _ = load_any(c.init_from)
+        base = base_of(tokenizer)
+        if not same_vocabulary(source, tokenizer_from_meta(base)):
+            raise DataError(f"init_from={c.init_from} holds another vocabulary ({describe_tokenizer(source)}) than dataset "
+                            f"{c.dataset!r} ({describe_meta(base)}); prepare the data with the tokenizer it was trained with")
+        return with_dropout(model, c.dropout), base
     run_ckpt = os.path.join(c.init_from, CHECKPOINT)  # another run's folder: its weights, a fine-tune's start
     if os.path.exists(run_ckpt):
         source = load_checkpoint(run_ckpt, mmap=True)["tokenizer"]

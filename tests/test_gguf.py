@@ -140,3 +140,82 @@ def test_our_reader_gives_back_what_we_wrote(shape, tmp_path):
         for (name, a), b in zip(model.state_dict().items(), back.state_dict().values()):
             bound = 0 if ftype == "f32" or a.dim() == 1 else a.abs().max().item() / 127
             assert (a - b).abs().max().item() <= bound, (ftype, name)
+
+
+def test_a_window_that_covers_the_context_goes_as_llama(tmp_path):
+    model = build(**LLAMA, attn_pattern="S", attn_window=32, vocab_size=len(CHARS), block_size=32)
+    assert gguf_file.write_gguf(model, {"kind": "char", "chars": CHARS}, str(tmp_path / "m.gguf")) == "llama"
+
+
+def test_a_gguf_fine_tunes_on_a_dataset_of_its_vocabulary_only(tmp_path, trained_run, char_dataset, bpe_run):
+    """train.py --init_from=FILE.gguf starts from the file's weights (its first evaluation is the run's own, to
+    float rounding); a dataset of another vocabulary is refused in one line."""
+    from checkpoint import load_checkpoint, read_metrics
+
+    path = tmp_path / "run.gguf"
+    assert run_main("export.py", f"--out_dir={trained_run}", f"--gguf={path}").returncode == 0
+    keys = [f"--dataset={char_dataset}", "--max_iters=2", "--eval_interval=2", "--eval_iters=2", "--batch_size=4",
+            "--device=cpu", "--dtype=float32", "--log_interval=1"]
+    done = run_main("train.py", f"--init_from={path}", *keys, f"--out_dir={tmp_path / 'tuned'}")
+    assert done.returncode == 0, done.stderr
+    again = run_main("train.py", f"--init_from={trained_run}", *keys, f"--out_dir={tmp_path / 'plain'}")
+    assert again.returncode == 0, again.stderr
+    first = [next(r["val_loss"] for r in read_metrics(str(tmp_path / d)) if "val_loss" in r) for d in ("tuned", "plain")]
+    assert abs(first[0] - first[1]) < 1e-5, first
+    assert load_checkpoint(str(tmp_path / "tuned" / "ckpt.pt"))["tokenizer"] == load_checkpoint(f"{trained_run}/ckpt.pt")["tokenizer"]
+    other = tmp_path / "bpe.gguf"
+    assert run_main("export.py", f"--out_dir={bpe_run[1]}", f"--gguf={other}").returncode == 0
+    refused = run_main("train.py", f"--init_from={other}", *keys, f"--out_dir={tmp_path / 'x'}")
+    assert refused.returncode == 2 and "holds another vocabulary" in one_error_line(refused)
+    missing = run_main("train.py", f"--init_from={tmp_path / 'none.gguf'}", *keys, f"--out_dir={tmp_path / 'y'}")
+    assert missing.returncode == 2 and "no such GGUF file" in one_error_line(missing)
+
+
+def llama_cpp_python():
+    """A Python with llama-cpp-python: LLAMA_CPP_PYTHON, or the one ../shared/build-llamacpp.sh builds."""
+    import subprocess
+    import sys
+
+    home = os.path.expanduser("~/.cache/llama.cpp-build")
+    for python in (os.environ.get("LLAMA_CPP_PYTHON"), sys.executable, f"{home}/venv/bin/python"):
+        if python and os.path.exists(python) and subprocess.run([python, "-c", "import llama_cpp"], capture_output=True,
+                                                                env=llama_env()).returncode == 0:
+            return python
+    return None
+
+
+def llama_env():
+    env = dict(os.environ)
+    path = os.path.expanduser("~/.cache/llama.cpp-build/env.sh")
+    if "LLAMA_CPP_LIB_PATH" not in env and os.path.exists(path):
+        env["LLAMA_CPP_LIB_PATH"] = open(path).read().split("=", 1)[1].strip()
+    return env
+
+
+@pytest.mark.parametrize("source", ["gpt2 run", "llama file", "qwen3 file"])
+def test_llama_cpp_gives_our_greedy_tokens_or_the_tool_says_how_to_get_it(source, tmp_path, trained_run):
+    """tools/llamacpp.py: with llama.cpp, the prompt's ids, the greedy tokens (up to the 32-token context) and the
+    teacher-forced logits (within 1e-4) are ours; without it, one line saying how to get it, and exit status 2.
+    For a file, ours is our reading of it; test_our_reader_gives_back_what_we_wrote closes the loop to the model
+    the file was written from (together: llama.cpp runs what we trained)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    python = llama_cpp_python()
+    where = f"--out_dir={trained_run}"  # the suite's character run: GPT-2's shape
+    if source.endswith("file"):  # RoPE shapes (llama permutes q and k, qwen3 does not), read back by us from the file
+        where = f"--init_from={tmp_path / 'm.gguf'}"
+        gguf_file.write_gguf(model_of(source.split()[0]), {"kind": "char", "chars": CHARS}, str(tmp_path / "m.gguf"))
+    args = [sys.executable, str(ROOT / "tools" / "llamacpp.py"), where, "--start=The king", "--new_tokens=32"]
+    if python is None:
+        missing = subprocess.run(args + ["--python=/nonexistent"], capture_output=True, text=True, env={**os.environ, "LLAMA_CPP_PYTHON": ""})
+        assert missing.returncode == 2 and "pip install llama-cpp-python" in missing.stderr
+        pytest.skip("llama.cpp is not installed here (pip install llama-cpp-python, or ../shared/build-llamacpp.sh)")
+    import re
+
+    done = subprocess.run(args + [f"--python={python}"], capture_output=True, text=True, env=llama_env(), timeout=300)
+    equal, total = map(int, re.search(r"greedy: (\d+)/(\d+) tokens equal", done.stdout).groups())
+    diff = float(re.search(r"logits: max difference (\S+)", done.stdout).group(1))
+    assert done.returncode == 0 and "ids equal" in done.stdout and equal == total >= 20 and diff <= 1e-4, done.stdout
