@@ -1,7 +1,7 @@
 """The device tier: every user-facing path on a CUDA GPU (train.py with compile, DDP and FSDP2 under torchrun,
 each resumed; stability and head logging; sample.py sampled, greedy and with both drafts; engine.py's continuous batching;
 fine-tuning on conversations (full and LoRA, compiled, resumed) with chat.py and eval.py --chats;
-eval.py; interpret.py; bench.py), and no host synchronisation inside a training step. Skips, saying why,
+eval.py; interpret.py; bench.py; a GGUF export sampled), and no host synchronisation inside a training step. Skips, saying why,
 where there is no GPU; ../shared/gpu-check.sh runs it on a lent one. The GPU machine has torch, tiktoken and
 transformers but no fastapi, datasets or wandb: nothing here needs them."""
 
@@ -124,6 +124,17 @@ def test_eval_bits_per_byte_on_the_gpu_within_1e_3_of_the_cpus(tmp_path, cuda_ru
                     f"--json={tmp_path / device}.json"))
         scores[device] = json.loads((tmp_path / f"{device}.json").read_text())["bits_per_byte"]
     assert abs(scores["cuda"] - scores["cpu"]) <= 1e-3, scores
+
+
+def test_a_gguf_of_a_gpu_run_samples_on_the_gpu_as_the_run_does(tmp_path, cuda_run):
+    """export.py --gguf from a run trained on the GPU, then sample.py --init_from=FILE.gguf on the GPU: the run's
+    greedy text (f32: the file holds its weights bit for bit)."""
+    pytest.importorskip("gguf")
+    ok(run_main("export.py", f"--out_dir={cuda_run}", f"--gguf={tmp_path / 'run.gguf'}"))
+    texts = [ok(run_main("sample.py", where, "--device=cuda", "--weights_dtype=float32", "--num_samples=1",
+                         "--max_new_tokens=20", "--temperature=0", "--start=The king")).stdout
+             for where in (f"--out_dir={cuda_run}", f"--init_from={tmp_path / 'run.gguf'}")]
+    assert texts[0] == texts[1]
 
 
 def test_interpret_on_the_gpu(tmp_path, cuda_run):

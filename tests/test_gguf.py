@@ -219,3 +219,25 @@ def test_llama_cpp_gives_our_greedy_tokens_or_the_tool_says_how_to_get_it(source
     equal, total = map(int, re.search(r"greedy: (\d+)/(\d+) tokens equal", done.stdout).groups())
     diff = float(re.search(r"logits: max difference (\S+)", done.stdout).group(1))
     assert done.returncode == 0 and "ids equal" in done.stdout and equal == total >= 20 and diff <= 1e-4, done.stdout
+
+
+def test_f16_and_bf16_read_back_within_their_rounding_and_other_files_get_one_line(tmp_path):
+    from checkpoint import load_any
+
+    model = model_of("llama")
+    for ftype, relative in (("f16", 2**-11), ("bf16", 2**-8)):
+        gguf_file.write_gguf(model, {"kind": "char", "chars": CHARS}, str(tmp_path / f"{ftype}.gguf"), ftype)
+        back = load_any(str(tmp_path / f"{ftype}.gguf"))[0]
+        for a, b in zip(model.state_dict().values(), back.state_dict().values()):
+            assert (a - b).abs().max().item() <= relative * a.abs().max().item() + 1e-12
+    other = gguf.GGUFWriter(str(tmp_path / "phi3.gguf"), "phi3")
+    other.add_token_list(["a", "b"])
+    other.write_header_to_file()
+    other.write_kv_data_to_file()
+    other.write_tensors_to_file()
+    other.close()
+    with pytest.raises(gguf_file.GGUFError, match="architecture 'phi3' is not supported; supported: gpt2, llama, qwen3, arcee"):
+        load_any(str(tmp_path / "phi3.gguf"))
+    (tmp_path / "text.gguf").write_text("not a model")
+    with pytest.raises(gguf_file.GGUFError, match="not a GGUF file"):
+        load_any(str(tmp_path / "text.gguf"))
