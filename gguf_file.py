@@ -161,16 +161,8 @@ def write_gguf(model, tokenizer_meta, path, ftype="f32"):
 
 @functools.cache
 def byte_chars():
-    """GPT-2's map of the 256 bytes to printable characters (the byte-level BPE's alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
+    """GPT-2's byte-level alphabet (hf.py's table), made once."""
+    return hf.byte_to_unicode()
 
 
 def as_byte_level(data):
@@ -179,21 +171,8 @@ def as_byte_level(data):
 
 
 def tiktoken_merges(enc):
-    """The merges of a tiktoken encoding in byte-level form, one per multi-byte token in rank order: the pair its
-    bytes come to when merged by rank up to its own (how tiktoken's training made it)."""
-    ranks = enc._mergeable_ranks
-    merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        parts = [token[i : i + 1] for i in range(len(token))]
-        while len(parts) > 2:
-            pairs = [(ranks.get(parts[i] + parts[i + 1], rank), i) for i in range(len(parts) - 1)]
-            best, i = min(pairs)
-            if best >= rank:
-                break
-            parts[i : i + 2] = [parts[i] + parts[i + 1]]
-        if len(parts) == 2:
-            merges.append(f"{as_byte_level(parts[0])} {as_byte_level(parts[1])}")
-    return merges
+    """A tiktoken encoding's merges in byte-level form (hf.bpe_merges: one per multi-byte token, in rank order)."""
+    return [f"{as_byte_level(left)} {as_byte_level(right)}" for left, right in hf.bpe_merges(enc._mergeable_ranks)]
 
 
 def gguf_vocab(meta, vocab_size):
