@@ -45,7 +45,7 @@ from dataset import (ConversationSampler, hub_offline, hub_reachable, is_masked_
 from device import COMPUTE_DTYPES, DEVICES, autocast, pick_device, pick_dtype
 from generate import Sampling, check_max_new_tokens
 from quantize import for_inference
-from tokenizer import ChatTokenizer, continuation, describe_meta
+from tokenizer import ChatTokenizer, continuation, describe_meta, same_vocabulary, tokenizer_from_meta
 
 
 @dataclass
@@ -141,7 +141,7 @@ def load_tokens(c, tokenizer, meta):
         return torch.tensor(tokenizer.encode(text), dtype=torch.long)
     data_dir = resolve_dataset(c.dataset)
     data_meta = read_meta(data_dir)
-    if data_meta["tokenizer"] != meta:
+    if data_meta["tokenizer"] != meta and not same_vocabulary(tokenizer, tokenizer_from_meta(data_meta["tokenizer"])):
         raise DataError(f"dataset {c.dataset!r} uses {describe_meta(data_meta['tokenizer'])}, but the model was "
                         f"trained with {describe_meta(meta)}; score it on text its tokenizer covers (--text) or its own dataset")
     if is_masked_dataset(data_meta):

@@ -62,10 +62,13 @@ def export_gguf(c, model, state):
         raise ConfigError(f"gguf_type={c.gguf_type!r}: use one of {', '.join(FTYPES)}")
     if os.path.isdir(c.gguf):
         raise ConfigError(f"gguf={c.gguf} is a folder; give the file to write, e.g. --gguf=model.gguf")
+    folder = os.path.dirname(os.path.abspath(c.gguf))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"gguf={c.gguf}: the folder {folder} does not exist; create it or give another path")
     if os.path.exists(c.gguf) and not c.overwrite:
         raise ConfigError(f"gguf={c.gguf} exists: --overwrite=True replaces it, or give another --gguf")
     arch_of(model.config)  # a shape or tokenizer llama.cpp cannot run stops here, before any file
-    gguf_vocab(state["tokenizer"], model.config.vocab_size)
+    special = gguf_vocab(state["tokenizer"], model.config.vocab_size)[3]
     partial = f"{c.gguf}.partial"
     try:
         arch = write_gguf(model, state["tokenizer"], partial, c.gguf_type)
@@ -76,17 +79,22 @@ def export_gguf(c, model, state):
     size = os.path.getsize(c.gguf) / 2**20
     print(f"wrote {c.gguf} ({arch}, {c.gguf_type}, {model.get_num_params():,} parameters, {size:.1f} MB): "
           f"llama-cli -m {c.gguf}, or Ollama with FROM ./{os.path.basename(c.gguf)} in a Modelfile")
+    if "eos" not in special:
+        print("note: this vocabulary has no end-of-text token, and llama.cpp then ends text at id 11 (a character "
+              "here): run it with --ignore-eos (a model trained with --vocab_size above its characters has one)")
 
 
 def main(argv=None):
     def command(argv):
-        c, _ = parse_config(ExportConfig, argv, "python export.py --out_dir=DIR (--hf_dir=DIR | --gguf=FILE.gguf) "
+        c, explicit = parse_config(ExportConfig, argv, "python export.py --out_dir=DIR (--hf_dir=DIR | --gguf=FILE.gguf) "
                             "[--overwrite=True]", __doc__.strip().splitlines()[0])
         model, _, state = load_any(c.out_dir)
         if state is None:
             raise ConfigError(f"out_dir={c.out_dir} is a Hugging Face model already; export takes a training run's out_dir")
         tokenizer_from_meta(state["tokenizer"])  # a tokenizer that cannot load (tiktoken offline) stops it here, before any file
         if c.gguf:
+            if "hf_dir" in explicit:
+                raise ConfigError("give --gguf or --hf_dir, not both: an export writes one of them (a GGUF file or a Hugging Face folder)")
             return export_gguf(c, model, state)
         hf_family(model.config)  # so does a shape transformers has no class for
         check_target(c.hf_dir, c.overwrite)

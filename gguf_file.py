@@ -61,6 +61,17 @@ def permute_pairs(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def relayout(w, name, arch, config, inverse=False):
+    """A Hugging Face-named tensor in llama.cpp's layout (inverse: back): GPT-2's Conv1D matrices stored as linear
+    maps, llama's and arcee's q and k rows in interleaved pairs."""
+    if arch == "GPT2" and w.dim() == 2 and name not in ("transformer.wte.weight", "transformer.wpe.weight", "lm_head.weight"):
+        return w.t()
+    if arch in ROTATES_PAIRS and name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config.n_head if name.endswith("q_proj.weight") else config.n_kv_head
+        return (unpermute_pairs if inverse else permute_pairs)(w, heads)
+    return w
+
+
 def gguf_tensors(model, arch):
     """{llama.cpp name: fp32 tensor in its layout} for the model's weights."""
     gguf = gguf_package()
@@ -71,13 +82,7 @@ def gguf_tensors(model, arch):
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch), c.n_layer)
     out = {}
     for name, w in hf_state.items():
-        if arch == "GPT2" and w.dim() == 2 and not name.endswith("wte.weight") and not name.endswith("wpe.weight") \
-                and name != "lm_head.weight":
-            w = w.t()  # GPT-2's Conv1D stores x @ W; GGUF holds the linear map
-        if arch in ROTATES_PAIRS and name.endswith("q_proj.weight"):
-            w = permute_pairs(w, c.n_head)
-        elif arch in ROTATES_PAIRS and name.endswith("k_proj.weight"):
-            w = permute_pairs(w, c.n_kv_head)
+        w = relayout(w, name, arch, c)
         mapped = names.get_name(name, try_suffixes=(".weight", ".bias"))
         if mapped is None:
             raise GGUFError(f"no llama.cpp name for {name} in the {arch.lower()} architecture")
@@ -86,10 +91,11 @@ def gguf_tensors(model, arch):
 
 
 def encoded(w, name, ftype):
-    """(numpy data, its GGML type) for one tensor: 1-D ones (norms, biases) stay f32, as llama.cpp's converter keeps them."""
+    """(numpy data, its GGML type) for one tensor: 1-D ones (norms, biases) and GPT-2's position table stay f32, as
+    llama.cpp's converter keeps them."""
     gguf = gguf_package()
     T = gguf.GGMLQuantizationType
-    if w.dim() == 1 or ftype == "f32":
+    if w.dim() == 1 or ftype == "f32" or name == "position_embd.weight":
         return w.numpy().astype(np.float32), T.F32
     if ftype == "f16":
         return w.numpy().astype(np.float16), T.F16
@@ -170,9 +176,14 @@ def as_byte_level(data):
     return "".join(table[b] for b in data)
 
 
-def tiktoken_merges(enc):
-    """A tiktoken encoding's merges in byte-level form (hf.bpe_merges: one per multi-byte token, in rank order)."""
-    return [f"{as_byte_level(left)} {as_byte_level(right)}" for left, right in hf.bpe_merges(enc._mergeable_ranks)]
+@functools.cache
+def gpt2_tokens():
+    """tiktoken's gpt2 in GGUF's form: (50,257 tokens in GPT-2's alphabet, <|endoftext|> last; 50,000 merges)."""
+    vocab, merges = hf.gpt2_byte_level()
+    tokens = [None] * len(vocab)
+    for token, i in vocab.items():
+        tokens[i] = token
+    return tokens + [EOT], [f"{left} {right}" for left, right in merges]
 
 
 def gguf_vocab(meta, vocab_size):
@@ -196,16 +207,12 @@ def gguf_vocab(meta, vocab_size):
             idle = as_byte_level(bytes([next(b for b in range(256) if b not in used)]))
             merges = [f"{idle} {idle}"]
     elif base.get("kind") == "tiktoken":
-        import tiktoken
-
-        enc = tiktoken.get_encoding(base["encoding"])
         if base["encoding"] != "gpt2":
             raise GGUFError(f"tokenizer {base['encoding']!r}: GGUF export carries tiktoken's gpt2, our bpe:N and "
                             "character vocabularies")
-        tokens = [as_byte_level(enc.decode_single_token_bytes(i)) if i != enc.eot_token else EOT for i in range(enc.n_vocab)]
-        types = [CONTROL if i == enc.eot_token else NORMAL for i in range(enc.n_vocab)]
-        merges = tiktoken_merges(enc)
-        special = {"bos": enc.eot_token, "eos": enc.eot_token}
+        tokens, merges = gpt2_tokens()
+        types = [CONTROL if t == EOT else NORMAL for t in tokens]
+        special = {"bos": len(tokens) - 1, "eos": len(tokens) - 1}
     elif base.get("kind") == "bpe":
         import json
 
@@ -227,6 +234,8 @@ def gguf_vocab(meta, vocab_size):
     if len(tokens) > vocab_size:
         raise GGUFError(f"the tokenizer has {len(tokens)} tokens, more than the model's vocab_size={vocab_size}")
     pad = vocab_size - len(tokens)
+    if "eos" not in special and pad:  # a vocabulary without an end token: a padding row, which no text reaches, is
+        special = {"eos": len(tokens)}  # one (without any, llama.cpp takes id 11, a character, as its end)
     tokens += [f"[PAD{i}]" for i in range(pad)]  # rows no text reaches (a vocabulary rounded up for speed)
     types += [UNUSED] * pad
     return tokens, types, merges, special
@@ -244,8 +253,16 @@ def f32_value(value):
 
 
 def config_keys(fields, arch, vocab_size):
-    """Our GPTConfig keys from a GGUF's hyperparameters."""
-    get = lambda key, default=None: fields[f"{arch}.{key}"].contents() if f"{arch}.{key}" in fields else default  # noqa: E731
+    """Our GPTConfig keys from a GGUF's hyperparameters; a GGUFError names one that is missing."""
+    absent = object()
+
+    def get(key, default=absent):
+        if f"{arch}.{key}" in fields:
+            return fields[f"{arch}.{key}"].contents()
+        if default is absent:
+            raise GGUFError(f"the file has no {arch}.{key}, which a {arch} model needs")
+        return default
+
     n_embd, n_head = get("embedding_length"), get("attention.head_count")
     keys = dict(block_size=get("context_length"), vocab_size=vocab_size, n_layer=get("block_count"), n_head=n_head,
                 n_embd=n_embd, mlp_hidden=get("feed_forward_length"))
@@ -258,7 +275,7 @@ def config_keys(fields, arch, vocab_size):
     keys |= dict(n_kv_head=get("attention.head_count_kv", n_head), pos_emb="rope", norm="rmsnorm", bias=False,
                  norm_eps=f32_value(get("attention.layer_norm_rms_epsilon")), rope_theta=f32_value(get("rope.freq_base", 10000.0)),
                  mlp="relu2" if arch == "arcee" else "swiglu", qk_norm=arch == "qwen3")
-    scaling = get("rope.scaling.type")
+    scaling = get("rope.scaling.type", None)
     if scaling not in (None, "none"):
         if scaling not in ("linear", "yarn"):
             raise GGUFError(f"rope.scaling.type={scaling!r} is not supported (linear and yarn are)")
@@ -276,9 +293,17 @@ def read_gguf(path, build):
     except (OSError, ValueError) as e:
         raise GGUFError(f"{path}: not a GGUF file llama.cpp's reader can open ({e})") from None
     fields = reader.fields
-    arch = fields["general.architecture"].contents()
+    arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
     if arch not in FAMILIES:
         raise GGUFError(f"{path}: architecture {arch!r} is not supported; supported: {', '.join(FAMILIES)}")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.model"):
+        if key not in fields:
+            raise GGUFError(f"{path}: no {key} in the file; it cannot be read as a model with its tokenizer")
+    model_kind = fields["tokenizer.ggml.model"].contents()
+    pre = fields["tokenizer.ggml.pre"].contents() if "tokenizer.ggml.pre" in fields else "default"
+    if model_kind != "gpt2" or pre not in ("gpt-2", "default"):
+        raise GGUFError(f"{path}: its tokenizer is {model_kind!r} with pre-tokenizer {pre!r}; GPT-2's byte-level BPE "
+                        "(model 'gpt2', pre 'gpt-2') is the one read here")
     tokens = fields["tokenizer.ggml.tokens"].contents()
     tied = "output.weight" not in {t.name for t in reader.tensors}  # llama.cpp's head is the embedding then
     model = build(config_keys(fields, arch, len(tokens)) | {"tie_embeddings": tied})
@@ -298,13 +323,7 @@ def read_gguf(path, build):
             gguf.GGMLQuantizationType.F32,) else np.asarray(t.data)
         w = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(tuple(reversed([int(n) for n in t.shape])))
         name = ours_to_theirs[t.name]
-        if arch == "gpt2" and w.dim() == 2 and name not in ("transformer.wte.weight", "transformer.wpe.weight", "lm_head.weight"):
-            w = w.t()
-        if arch in ("llama", "arcee") and name.endswith("q_proj.weight"):
-            w = unpermute_pairs(w, c.n_head)
-        elif arch in ("llama", "arcee") and name.endswith("k_proj.weight"):
-            w = unpermute_pairs(w, c.n_kv_head)
-        hf_state[name] = w
+        hf_state[name] = relayout(w, name, arch.upper(), c, inverse=True)
     ours = hf.HF_FAMILIES[FAMILIES[arch]][1](hf_state, c)
     if c.tie_embeddings:
         ours["lm_head.weight"] = ours["tok_emb.weight"]
@@ -332,8 +351,8 @@ def tokenizer_of(parts):
 
     gguf = gguf_package()
     tokens, types, merges, special = parts
-    used = [i for i, kind in enumerate(types) if kind != gguf.TokenType.UNUSED]
-    tokens, types = [tokens[i] for i in used], [types[i] for i in used]
+    while types and types[-1] == gguf.TokenType.UNUSED:  # trailing padding rows (a hole inside keeps its id)
+        tokens, types = tokens[:-1], types[:-1]
     chat = tokens[-len(CHAT_TOKENS):] == list(CHAT_TOKENS)
     if chat:
         tokens, types = tokens[: -len(CHAT_TOKENS)], types[: -len(CHAT_TOKENS)]
@@ -348,7 +367,7 @@ def tokenizer_of(parts):
     texts = [text_of(t) for t in tokens]
     if all(text is not None and len(text) == 1 for text in texts) and gguf.TokenType.CONTROL not in types:
         base = CharTokenizer("".join(texts))
-    elif len(tokens) == 50257 and tokens[50256] == EOT and tiktoken_gpt2_tokens()[:50256] == tokens[:50256]:
+    elif len(tokens) == 50257 and tokens[50256] == EOT and gpt2_offline_safe() == tokens:
         base = TiktokenTokenizer("gpt2")
     else:
         vocab = {t: i for i, t in enumerate(tokens)}
@@ -365,12 +384,14 @@ def tokenizer_of(parts):
     return ChatTokenizer(base) if chat else base
 
 
-@functools.cache
-def tiktoken_gpt2_tokens():
-    import tiktoken
+def gpt2_offline_safe():
+    """gpt2_tokens()'s tokens, or None where tiktoken's files cannot be had (the vocabulary is then read as a BPE)."""
+    from configurator import DataError
 
-    enc = tiktoken.get_encoding("gpt2")
-    return [as_byte_level(enc.decode_single_token_bytes(i)) for i in range(enc.n_vocab - 1)] + [EOT]
+    try:
+        return gpt2_tokens()[0]
+    except DataError:
+        return None
 
 
 def load_gguf(path, build):

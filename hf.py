@@ -411,6 +411,15 @@ def byte_to_unicode():
     return {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(extra)}
 
 
+def gpt2_byte_level():
+    """tiktoken's gpt2 as a byte-level BPE in GPT-2's alphabet: ({token text: id} without <|endoftext|>, merges)."""
+    encoding = TiktokenTokenizer("gpt2").enc
+    ranks = {token: encoding.encode_single_token(token) for token in encoding.token_byte_values()}  # bytes -> id
+    alphabet = byte_to_unicode()
+    text = lambda token: "".join(alphabet[b] for b in token)  # noqa: E731
+    return {text(token): rank for token, rank in ranks.items()}, [(text(a), text(b)) for a, b in bpe_merges(ranks)]
+
+
 def bpe_merges(ranks):
     """The merge list of a byte-level BPE from tiktoken's ranks (token bytes -> id): each token of two or
     more bytes is what BPE over its own bytes, with only lower-ranked merges, joins last."""
@@ -449,19 +458,14 @@ def save_tokenizer(meta, directory, max_length):
     meta = meta["base"] if chat else meta
     eot = 50256
     if meta == {"kind": "tiktoken", "encoding": "gpt2"}:
-        encoding = TiktokenTokenizer("gpt2").enc
-        ranks = {token: encoding.encode_single_token(token) for token in encoding.token_byte_values()}  # bytes -> id
-        alphabet = byte_to_unicode()
-        text = lambda token: "".join(alphabet[b] for b in token)  # noqa: E731
-        vocab = {text(token): rank for token, rank in ranks.items()}
-        merges = [(text(a), text(b)) for a, b in bpe_merges(ranks)]
+        vocab, merges = gpt2_byte_level()
         tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges))
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tokenizer.decoder = decoders.ByteLevel()
         tokenizer.add_special_tokens([EOT])  # id 50256, after the 50,256 BPE tokens
         config.update(bos_token=EOT, eos_token=EOT, unk_token=EOT)
         with open(os.path.join(directory, "vocab.json"), "w") as f:
-            json.dump(vocab | {EOT: encoding.eot_token}, f, ensure_ascii=False)
+            json.dump(vocab | {EOT: len(vocab)}, f, ensure_ascii=False)
         with open(os.path.join(directory, "merges.txt"), "w") as f:
             f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
         what = "GPT-2's BPE (tokenizer.json, vocab.json, merges.txt)"

@@ -653,13 +653,13 @@ def load_model_for(c, explicit, data_meta, ckpt, notes):
     if overridden:
         raise ConfigError(f"init_from={c.init_from}: the pretrained model fixes {', '.join(overridden)}; "
                           "drop those keys (only dropout can change)")
-    if c.init_from.endswith(".gguf"):  # llama.cpp's file: its vocabulary must be the dataset's
+    if c.init_from.endswith(".gguf"):  # llama.cpp's file: its vocabulary must be the dataset's (or its base's)
         model, source, _ = load_any(c.init_from)
-        base = base_of(tokenizer)
-        if not same_vocabulary(source, tokenizer_from_meta(base)):
-            raise DataError(f"init_from={c.init_from} holds another vocabulary ({describe_tokenizer(source)}) than dataset "
-                            f"{c.dataset!r} ({describe_meta(base)}); prepare the data with the tokenizer it was trained with")
-        return with_dropout(model, c.dropout), base
+        for meta in (tokenizer, base_of(tokenizer)):  # a chat file on chats; a base file on chats gains the tokens
+            if same_vocabulary(source, tokenizer_from_meta(meta)):
+                return with_dropout(model, c.dropout), meta
+        raise DataError(f"init_from={c.init_from} holds another vocabulary ({describe_tokenizer(source)}) than dataset "
+                        f"{c.dataset!r} ({describe_meta(tokenizer)}); prepare the data with the tokenizer it was trained with")
     run_ckpt = os.path.join(c.init_from, CHECKPOINT)  # another run's folder: its weights, a fine-tune's start
     if os.path.exists(run_ckpt):
         source = load_checkpoint(run_ckpt, mmap=True)["tokenizer"]

@@ -241,3 +241,40 @@ def test_f16_and_bf16_read_back_within_their_rounding_and_other_files_get_one_li
     (tmp_path / "text.gguf").write_text("not a model")
     with pytest.raises(gguf_file.GGUFError, match="not a GGUF file"):
         load_any(str(tmp_path / "text.gguf"))
+
+
+def test_the_end_token_of_a_character_vocabulary_is_a_padding_row_and_foreign_vocabularies_are_refused(tmp_path):
+    """A character model has no end-of-text token: a padding row stands in (llama.cpp's default, id 11, would be a
+    character); a hole of unused tokens inside a vocabulary keeps the later ids; a SentencePiece file is refused."""
+    vocab = gguf_file.gguf_vocab({"kind": "char", "chars": CHARS}, len(CHARS) + 2)
+    assert vocab[3] == {"eos": len(CHARS)} and gguf_file.gguf_vocab({"kind": "char", "chars": CHARS}, len(CHARS))[3] == {}
+    T = gguf.TokenType
+    holed = gguf_file.tokenizer_of((["a", "[PAD1]", "b", "ab", "[PAD4]"], [T.NORMAL, T.UNUSED, T.NORMAL, T.NORMAL, T.UNUSED],
+                                    ["a b"], {}))
+    assert holed.vocab_size == 4 and holed.encode("ab") == [3] and holed.encode("b") == [2]
+    path = str(tmp_path / "sp.gguf")
+    gguf_file.write_gguf(model_of("llama"), {"kind": "char", "chars": CHARS}, path)
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(str(tmp_path / "llama-sp.gguf"), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith(("llama.", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type")):
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+    writer.add_tokenizer_model("llama")
+    for t in reader.tensors:
+        writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    from checkpoint import load_any
+
+    with pytest.raises(gguf_file.GGUFError, match="its tokenizer is 'llama'.*GPT-2's byte-level BPE"):
+        load_any(str(tmp_path / "llama-sp.gguf"))
+
+
+def test_a_chat_gguf_fine_tunes_on_its_conversations(tmp_path, sft_run, chat_data):
+    path = tmp_path / "chat.gguf"
+    assert run_main("export.py", f"--out_dir={sft_run}", f"--gguf={path}").returncode == 0
+    done = run_main("train.py", f"--init_from={path}", f"--dataset={chat_data[1]}", "--max_iters=2", "--eval_interval=2",
+                    "--eval_iters=1", "--batch_size=2", "--device=cpu", f"--out_dir={tmp_path / 'tuned'}")
+    assert done.returncode == 0, done.stderr

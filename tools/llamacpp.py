@@ -42,7 +42,7 @@ out = []
 for _ in range(a["new_tokens"]):
     t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
     out.append(t)
-    if t == llm.token_eos() or llm.n_tokens >= a["n_ctx"]:
+    if (a["special"] and t == llm.token_eos()) or llm.n_tokens >= a["n_ctx"]:
         break
     llm.eval([t])
 text_ids = llm.tokenize(open(a["text"], encoding="utf-8").read().encode(), add_bos=False, special=False) if a["text"] else None
@@ -68,6 +68,8 @@ def compare(args):
         if state is not None:  # a training run: exported as it would be
             path = os.path.join(tmp, "model.gguf")
             write_gguf(model, state["tokenizer"], path, args.gguf_type)
+        if args.chat and not hasattr(tokenizer, "render"):
+            raise UserError("--chat needs a model fine-tuned on conversations (it has no chat template); use --start")
         if args.chat:
             messages = [{"role": "user", "content": args.chat}]
             ids = tokenizer.render(messages, add_generation_prompt=True)[0]
@@ -82,7 +84,7 @@ def compare(args):
             said = [line for line in done.stderr.strip().splitlines() if "rror" in line] or done.stderr.strip().splitlines() or ["-"]
             raise UserError(f"llama.cpp exited with status {done.returncode} on {path}: {said[-1]}")
     theirs = json.loads(done.stdout.strip().splitlines()[-1])
-    end = getattr(tokenizer, "end_token", tokenizer.eot_token)
+    end = tokenizer.end_token if args.chat else None  # (llama.cpp stops at the end token only for a chat, too)
     with torch.no_grad():
         ours = model.generate(torch.tensor([ids]), len(theirs["out"]), Sampling(temperature=0), eos_token_id=end)
         logits = model(torch.tensor([ids]))[0][0]
