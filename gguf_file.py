@@ -153,12 +153,17 @@ def write_gguf(model, tokenizer_meta, path, ftype="f32"):
         for name, w in tensors.items():
             data, kind = encoded(w, name, ftype)
             writer.add_tensor(name, data, raw_dtype=kind)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        write_out(writer)
     finally:
         writer.close()
     return arch.lower()
+
+
+def write_out(writer):
+    """A GGUFWriter's keys and tensors, written in the file's order (header, metadata, tensor data)."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -244,7 +249,7 @@ def gguf_vocab(meta, vocab_size):
 # ----------------------------------------------------------------------------------------------------
 # Reading a GGUF back: the architectures written above, from here or elsewhere
 
-FAMILIES = {"gpt2": "gpt2", "llama": "llama", "qwen3": "qwen3", "arcee": "arcee"}  # llama.cpp arch -> hf family
+FAMILIES = {arch.lower(): family for family, arch in ARCHS.items() if family != "mistral"}  # llama.cpp arch -> hf family
 
 
 def f32_value(value):
@@ -345,9 +350,7 @@ def unpermute_pairs(w, n_head):
 def tokenizer_of(parts):
     """Our tokenizer for a GGUF's vocabulary: a character vocabulary, tiktoken's gpt2, or else a byte-level BPE
     (as Hugging Face's tokenizers runs it); with the chat template's four tokens last, a ChatTokenizer over it."""
-    import json
-
-    from tokenizer import BPETokenizer, CharTokenizer, ChatTokenizer, TiktokenTokenizer
+    from tokenizer import BPETokenizer, CharTokenizer, ChatTokenizer, TiktokenTokenizer, tokenizers_package
 
     gguf = gguf_package()
     tokens, types, merges, special = parts
@@ -369,18 +372,13 @@ def tokenizer_of(parts):
         base = CharTokenizer("".join(texts))
     elif len(tokens) == 50257 and tokens[50256] == EOT and gpt2_offline_safe() == tokens:
         base = TiktokenTokenizer("gpt2")
-    else:
-        vocab = {t: i for i, t in enumerate(tokens)}
-        added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
-                  "special": True} for i, (t, kind) in enumerate(zip(tokens, types)) if kind == gguf.TokenType.CONTROL]
-        spec = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-                "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
-                "post_processor": None,
-                "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
-                "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                          "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-                          "vocab": vocab, "merges": [m.split(" ") for m in merges]}}
-        base = BPETokenizer(json.dumps(spec, ensure_ascii=False))
+    else:  # built as BPETokenizer.train builds ours: byte-level pre-tokenizer and decoder, control tokens special
+        tk = tokenizers_package("a GGUF's byte-level BPE")
+        tok = tk.Tokenizer(tk.models.BPE({t: i for i, t in enumerate(tokens)}, [tuple(m.split(" ")) for m in merges]))
+        tok.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = tk.decoders.ByteLevel()
+        tok.add_special_tokens([t for t, kind in zip(tokens, types) if kind == gguf.TokenType.CONTROL])
+        base = BPETokenizer(tok.to_str())
     return ChatTokenizer(base) if chat else base
 
 

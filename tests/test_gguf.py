@@ -171,27 +171,6 @@ def test_a_gguf_fine_tunes_on_a_dataset_of_its_vocabulary_only(tmp_path, trained
     assert missing.returncode == 2 and "no such GGUF file" in one_error_line(missing)
 
 
-def llama_cpp_python():
-    """A Python with llama-cpp-python: LLAMA_CPP_PYTHON, or the one ../shared/build-llamacpp.sh builds."""
-    import subprocess
-    import sys
-
-    home = os.path.expanduser("~/.cache/llama.cpp-build")
-    for python in (os.environ.get("LLAMA_CPP_PYTHON"), sys.executable, f"{home}/venv/bin/python"):
-        if python and os.path.exists(python) and subprocess.run([python, "-c", "import llama_cpp"], capture_output=True,
-                                                                env=llama_env()).returncode == 0:
-            return python
-    return None
-
-
-def llama_env():
-    env = dict(os.environ)
-    path = os.path.expanduser("~/.cache/llama.cpp-build/env.sh")
-    if "LLAMA_CPP_LIB_PATH" not in env and os.path.exists(path):
-        env["LLAMA_CPP_LIB_PATH"] = open(path).read().split("=", 1)[1].strip()
-    return env
-
-
 @pytest.mark.parametrize("source", ["gpt2 run", "llama file", "qwen3 file"])
 def test_llama_cpp_gives_our_greedy_tokens_or_the_tool_says_how_to_get_it(source, tmp_path, trained_run):
     """tools/llamacpp.py: with llama.cpp, the prompt's ids, the greedy tokens (up to the 32-token context) and the
@@ -203,19 +182,27 @@ def test_llama_cpp_gives_our_greedy_tokens_or_the_tool_says_how_to_get_it(source
 
     from conftest import ROOT
 
-    python = llama_cpp_python()
+    from configurator import UserError
+
+    sys.path.insert(0, str(ROOT / "tools"))
+    import llamacpp
+
+    try:
+        python = llamacpp.llama_python()
+    except UserError:
+        python = None
     where = f"--out_dir={trained_run}"  # the suite's character run: GPT-2's shape
     if source.endswith("file"):  # RoPE shapes (llama permutes q and k, qwen3 does not), read back by us from the file
         where = f"--init_from={tmp_path / 'm.gguf'}"
         gguf_file.write_gguf(model_of(source.split()[0]), {"kind": "char", "chars": CHARS}, str(tmp_path / "m.gguf"))
     args = [sys.executable, str(ROOT / "tools" / "llamacpp.py"), where, "--start=The king", "--new_tokens=32"]
     if python is None:
-        missing = subprocess.run(args + ["--python=/nonexistent"], capture_output=True, text=True, env={**os.environ, "LLAMA_CPP_PYTHON": ""})
+        missing = subprocess.run(args, capture_output=True, text=True)
         assert missing.returncode == 2 and "pip install llama-cpp-python" in missing.stderr
         pytest.skip("llama.cpp is not installed here (pip install llama-cpp-python, or ../shared/build-llamacpp.sh)")
     import re
 
-    done = subprocess.run(args + [f"--python={python}"], capture_output=True, text=True, env=llama_env(), timeout=300)
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
     equal, total = map(int, re.search(r"greedy: (\d+)/(\d+) tokens equal", done.stdout).groups())
     diff = float(re.search(r"logits: max difference (\S+)", done.stdout).group(1))
     assert done.returncode == 0 and "ids equal" in done.stdout and equal == total >= 20 and diff <= 1e-4, done.stdout
@@ -232,9 +219,7 @@ def test_f16_and_bf16_read_back_within_their_rounding_and_other_files_get_one_li
             assert (a - b).abs().max().item() <= relative * a.abs().max().item() + 1e-12
     other = gguf.GGUFWriter(str(tmp_path / "phi3.gguf"), "phi3")
     other.add_token_list(["a", "b"])
-    other.write_header_to_file()
-    other.write_kv_data_to_file()
-    other.write_tensors_to_file()
+    gguf_file.write_out(other)
     other.close()
     with pytest.raises(gguf_file.GGUFError, match="architecture 'phi3' is not supported; supported: gpt2, llama, qwen3, arcee"):
         load_any(str(tmp_path / "phi3.gguf"))
@@ -262,9 +247,7 @@ def test_the_end_token_of_a_character_vocabulary_is_a_padding_row_and_foreign_vo
     writer.add_tokenizer_model("llama")
     for t in reader.tensors:
         writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    gguf_file.write_out(writer)
     writer.close()
     from checkpoint import load_any
 

@@ -6,8 +6,9 @@ Runs a model through llama.cpp and compares it with ours: the prompt's token ids
   python tools/llamacpp.py --out_dir=out-chat-tasks --chat="reverse: stone"           # a chat model, through its template
   python tools/llamacpp.py --out_dir=RUN --text=book.txt                              # token ids on a whole text too
 
-llama.cpp runs through llama-cpp-python: in this Python, or in the one --python names (or LLAMA_CPP_PYTHON;
-../shared/build-llamacpp.sh builds one: FOLDER/venv/bin/python, with LLAMA_CPP_LIB_PATH from FOLDER/env.sh).
+llama.cpp runs through llama-cpp-python: in the Python --python names, LLAMA_CPP_PYTHON, this Python, or the one
+../shared/build-llamacpp.sh builds (FOLDER/venv/bin/python, FOLDER = LLAMA_DIR or ~/.cache/llama.cpp-build; its
+libllama from FOLDER/env.sh).
 Without it, one line says how to get it and the exit status is 2. The comparison keeps llama.cpp's KV cache in
 f32 (its default, f16, moves logits by about 1e-3), so f32 weights give our logits to float rounding.
 """
@@ -15,6 +16,7 @@ f32 (its default, f16, moves logits by about 1e-3), so f32 weights give our logi
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -50,13 +52,28 @@ print(json.dumps({"ids": ids, "out": out, "logits": prompt_logits, "text_ids": t
 """
 
 
-def llama_python(given):
-    """The Python that imports llama_cpp: given, LLAMA_CPP_PYTHON, or this one; a UserError saying how to get one."""
-    for python in (given, os.environ.get("LLAMA_CPP_PYTHON"), sys.executable):
-        if python and subprocess.run([python, "-c", "import llama_cpp"], capture_output=True).returncode == 0:
+BUILD = os.path.expanduser(os.environ.get("LLAMA_DIR", "~/.cache/llama.cpp-build"))  # ../shared/build-llamacpp.sh's
+
+
+def llama_env():
+    """This environment, with LLAMA_CPP_LIB_PATH from the shared build's env.sh where it has one."""
+    env = dict(os.environ)
+    path = os.path.join(BUILD, "env.sh")
+    if "LLAMA_CPP_LIB_PATH" not in env and os.path.exists(path):
+        with open(path) as f:
+            env["LLAMA_CPP_LIB_PATH"] = f.read().split("=", 1)[1].strip()
+    return env
+
+
+def llama_python(given=""):
+    """The Python that imports llama_cpp (given, LLAMA_CPP_PYTHON, this one, the shared build's); a UserError
+    saying how to get one."""
+    for python in (given, os.environ.get("LLAMA_CPP_PYTHON"), sys.executable, os.path.join(BUILD, "venv", "bin", "python")):
+        if python and shutil.which(python) and subprocess.run([python, "-c", "import llama_cpp"], capture_output=True,
+                                                              env=llama_env()).returncode == 0:
             return python
-    raise UserError("llama.cpp is not found: pip install llama-cpp-python (or ../shared/build-llamacpp.sh, then "
-                    "--python=FOLDER/venv/bin/python with FOLDER/env.sh sourced)")
+    raise UserError("llama.cpp is not found: pip install llama-cpp-python (or ../shared/build-llamacpp.sh, or "
+                    "--python=a Python that has it)")
 
 
 def compare(args):
@@ -79,7 +96,8 @@ def compare(args):
             ids = tokenizer.encode(prompt)
         request = {"path": path, "n_ctx": model.config.block_size, "threads": args.threads, "prompt": prompt,
                    "special": bool(args.chat), "new_tokens": args.new_tokens, "text": args.text}
-        done = subprocess.run([python, "-c", RUNNER], input=json.dumps(request), capture_output=True, text=True)
+        done = subprocess.run([python, "-c", RUNNER], input=json.dumps(request), capture_output=True, text=True,
+                              env=llama_env())
         if done.returncode:
             said = [line for line in done.stderr.strip().splitlines() if "rror" in line] or done.stderr.strip().splitlines() or ["-"]
             raise UserError(f"llama.cpp exited with status {done.returncode} on {path}: {said[-1]}")
