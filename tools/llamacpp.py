@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from checkpoint import load_any  # noqa: E402
-from configurator import UserError, fail  # noqa: E402
+from configurator import UserError, fail, unescape  # noqa: E402
 from generate import Sampling  # noqa: E402
 from gguf_file import write_gguf  # noqa: E402
 
@@ -92,7 +92,7 @@ def compare(args):
             ids = tokenizer.render(messages, add_generation_prompt=True)[0]
             prompt = tokenizer.decode(ids)
         else:
-            prompt = args.start.replace("\\n", "\n")
+            prompt = unescape(args.start)  # \n, \t as sample.py reads them
             ids = tokenizer.encode(prompt)
         request = {"path": path, "n_ctx": model.config.block_size, "threads": args.threads, "prompt": prompt,
                    "special": bool(args.chat), "new_tokens": args.new_tokens, "text": args.text}
@@ -127,7 +127,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out_dir", default="out", help="a training run (exported to a GGUF for the comparison)")
     parser.add_argument("--init_from", default="", help="a GGUF file to compare as it is (instead of --out_dir)")
-    parser.add_argument("--start", default="\n", help="the prompt (\\n for a newline)")
+    parser.add_argument("--start", default="\n", help="the prompt (\\n, \\t as in sample.py)")
     parser.add_argument("--chat", default="", help="a user message: the prompt is the chat template's, with specials")
     parser.add_argument("--new_tokens", type=int, default=64)
     parser.add_argument("--gguf_type", default="f32", help="f32 | f16 | bf16 | q8_0 (the export's weights)")
