@@ -34,7 +34,8 @@ A study file is a Python file that assigns:
                          (seeds: how many of the study's seeds; eval_lengths: the contexts to score)
 Every variant's keys are checked before anything trains. A finished run is not run again; an interrupted
 one resumes. Results: out_dir/results.md, out_dir/loss_curves.png, out_dir/lengths.png and out_dir/axis.png
-(matplotlib). A masked dataset's runs (data/mqar, conversations) also get their final val accuracy.
+(matplotlib). A masked dataset's runs (data/mqar, conversations) also get their final val accuracy, and
+labelled examples' runs (images, texts with labels) the accuracy of their last evaluation.
 Runs go to out_dir/<variant>/seed<N>, the variant's name lowercased with other characters as "-".
 """
 
@@ -204,7 +205,8 @@ def summarize(runs, root):
             row["best"].append(min(r["val_loss"] for r in evals))
             if "val_bpb" in evals[-1]:  # comparable across tokenizers, where val loss is not
                 row["bpb"].append(evals[-1]["val_bpb"])
-            accuracy = masked_accuracy(out_dir, c)
+            # labelled examples (images, texts): the run's own last evaluation of the whole val split
+            accuracy = evals[-1]["val_accuracy"] if "val_accuracy" in evals[-1] else masked_accuracy(out_dir, c)
             if accuracy is not None:
                 row["accuracy"].append(accuracy)
         if steps:

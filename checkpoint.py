@@ -192,6 +192,19 @@ def with_dropout(model, dropout):
     return tuned
 
 
+def with_head(model, keys):
+    """An encoder rebuilt with another head (head, n_classes, pooler: a classifier fine-tuned from BERT's
+    masked-token run): the blocks and embeddings kept, the new head's weights at their initialisation."""
+    head = keys.get("head", model.config.head)
+    if model.config.family != "encoder" or head == "lm" or (model.config.image_size and head != "classify"):
+        raise ValueError(f"a new head ({', '.join(keys)}) goes on an encoder's text model; this model is "
+                         f"family={model.config.family!r}" + (" (a vision transformer)" if model.config.image_size else ""))
+    tuned = GPT(replace(model.config, **keys))
+    kept = {k: v for k, v in model.state_dict().items() if k in tuned.state_dict() and v.shape == tuned.state_dict()[k].shape}
+    tuned.load_state_dict(kept, strict=False)
+    return tuned
+
+
 def load_model(out_dir, dropout=0.0):
     """(model, checkpoint state) from out_dir/ckpt.pt: what sample.py, bench.py and export.py load.
 

@@ -29,6 +29,10 @@ class ConfigError(UserError):
     """A key or value the command line or a config file got wrong."""
 
 
+class PretrainedError(UserError):
+    """Weights that cannot be had or do not fit (hf.py, hf_encoders.py): one line for the user, no traceback."""
+
+
 class DataError(UserError):
     """Data, a tokenizer or a file that cannot be used as given (missing, corrupt, of another vocabulary)."""
 

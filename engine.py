@@ -33,8 +33,9 @@ class Job:
     ("prompt", logprobs) first."""
 
     def __init__(self, prompt, max_tokens, sampling, *, tokenizer, send, seed=0, stop=(), logprobs=None, echo=False,
-                 device="cpu"):
+                 device="cpu", source=None):
         self.prompt, self.max_tokens, self.sampling, self.stop = prompt, max_tokens, sampling, stop
+        self.source = source  # an encoder-decoder's: the source ids (prompt: the decoder's start)
         self.logprobs, self.echo, self.tokenizer, self.send = logprobs, echo, tokenizer, send
         # on the model's device: torch.multinomial refuses a generator of another device (CUDA, MPS)
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -219,8 +220,9 @@ class Engine:
         max(RIDE_MIN, riding). On a CPU a pass costs about linearly in its rows, so a chunk no longer than the
         rows it rides with at most about doubles their step: a long prompt joining a few streams delays each
         of their tokens by at most about one step of their own, in more, smaller chunks."""
-        if job.cache is None:
-            job.cache, job.prompt_logits = self.model.new_cache(), []
+        if job.cache is None:  # (an encoder-decoder's: its source encoded once, for every step of the job)
+            source = None if job.source is None else torch.tensor([job.source], device=self.device)
+            job.cache, job.prompt_logits = self.model.new_cache(source=source), []
         start = job.cache.length
         cpu = self.device.type == "cpu"  # (on a GPU a pass's time is flat in its rows until it is large)
         size = min(self.prefill_chunk, max(RIDE_MIN, riding)) if riding and cpu else self.prefill_chunk
@@ -294,7 +296,8 @@ class Engine:
     def slide(self, job):
         """The next logits of a row past the context: generate.next_logits's window, run afresh."""
         seq = torch.tensor([job.prompt + job.tokens], device=self.device)
-        return next_logits(self.model, seq, seq.size(1))[0]
+        source = None if job.source is None else torch.tensor([job.source], device=self.device)
+        return next_logits(self.model, seq, seq.size(1), source=source)[0]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -407,5 +410,7 @@ class DynamicRows:
 
 
 def row_batch(model, max_rows):
-    """The batch a server decodes its requests in: BatchRows where every layer's kind has a StaticCache."""
-    return (DynamicRows if without_static_step(model) else BatchRows)(model, max_rows)
+    """The batch a server decodes its requests in: BatchRows where every layer's kind has a StaticCache (an
+    encoder-decoder's rows each cross-attend to their own source: DynamicRows)."""
+    dynamic = without_static_step(model) or model.config.family != "decoder"
+    return (DynamicRows if dynamic else BatchRows)(model, max_rows)

@@ -171,9 +171,54 @@ def score_conversations(model, conversations, device, context):
     return torch.cat(nats), torch.cat(targets), right
 
 
+def score_examples(c, model, state):
+    """A model of labelled examples over a whole split, in order: a classifier's (images, or texts with
+    labels) loss and accuracy; an encoder-decoder's loss on the targets and greedy exact match."""
+    from labeled import ImageSampler, LabeledSampler, check_images, check_labeled
+
+    name = c.dataset or (state and state["train_config"]["dataset"])
+    if not name:
+        raise ConfigError(f"init_from={c.init_from} has no training dataset to default to: give --dataset=NAME")
+    data_dir = resolve_dataset(name)
+    meta, config = read_meta(data_dir), model.config
+    if config.image_size:
+        check_images(meta["tokenizer"], config, f"dataset {name!r}")
+        batches = ImageSampler(data_dir, c.split, 0).ordered(c.batch_size, 1 << 62)
+    else:
+        check_labeled(meta, config, f"dataset {name!r}")
+        sampler = LabeledSampler(data_dir, c.split, 0, config.block_size)
+        batches = sampler.ordered(c.batch_size, 1 << 62)
+    device = pick_device(c.device)
+    dtype = pick_dtype(c.dtype, torch.device(device).type)
+    model, context = model.to(device).eval(), autocast(torch.device(device).type, dtype)
+    nats = right = n = scored = 0
+    with torch.no_grad():
+        for x, y, *extra in batches:
+            inputs = {k: v.to(device) for k, v in (extra[0] if extra else {}).items()}
+            with context:
+                logits = model(x.to(device), **inputs)[0].float()
+            y = y.to(device)
+            nats += float(F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=-1, reduction="sum"))
+            scored += int((y != -1).sum())
+            n += len(y)
+            if config.family != "encoder-decoder":
+                right += int((logits.argmax(-1) == y).sum())
+                continue
+            end = sampler.tok.end_token  # greedy from [CLS], the source encoded once; exact: the whole target and its end
+            with context:
+                out = generate.generate(model, x[:, :1].to(device), y.size(1), Sampling(temperature=0), eos_token_id=end,
+                                        **inputs)[:, 1:]
+            out = torch.cat([out, out.new_full((len(y), y.size(1) - out.size(1) + 1), end)], 1)[:, : y.size(1)]
+            right += int(((out == y) | (y == -1)).all(1).sum())
+    metric = "accuracy" if config.family != "encoder-decoder" else "exact_match"
+    return {"source": f"{name}/{c.split}", "examples": n, "loss": nats / scored, metric: right / n, "dtype": dtype}
+
+
 def evaluate(c):
-    """Loss, perplexity and bits per byte of a whole split or text file."""
+    """Loss, perplexity and bits per byte of a whole split or text file (a classifier: loss and accuracy)."""
     model, tokenizer, state = load_for(c)
+    if model.config.family != "decoder" or model.config.head != "lm":
+        return score_examples(c, model, state)
     if state is None and not (c.text or c.dataset):
         raise ConfigError(f"init_from={c.init_from} has no training dataset to default to: give --text=FILE or --dataset=NAME")
     meta = state["tokenizer"] if state else tokenizer.meta()
@@ -329,6 +374,10 @@ def main(argv=None):
         result = run_tasks(c) if c.tasks else answer_chats(c) if c.chats else evaluate(c)
         if c.tasks or c.chats:
             print(result["table"])
+        elif "examples" in result:
+            metric = "accuracy" if "accuracy" in result else "exact_match"
+            print(f"{result['source']}: {result['examples']:,} examples | loss {result['loss']:.4f} nats, "
+                  f"{metric.replace('_', ' ')} {result[metric]:.4f}" + (" (greedy)" if metric == "exact_match" else ""))
         else:
             print(f"{result['source']}: {result['tokens']:,} tokens, {result['bytes']:,} bytes | loss {result['loss']:.4f} "
                   f"nats/token, perplexity {result['perplexity']:.3f}, {result['bits_per_byte']:.4f} bits per byte"

@@ -24,6 +24,7 @@ from checkpoint import load_any
 from configurator import ConfigError, cli_main, parse_config
 from gguf_file import FTYPES, arch_of, gguf_vocab, write_gguf
 from hf import hf_family, save_tokenizer
+from hf_encoders import save_image_processor
 from tokenizer import tokenizer_from_meta
 
 
@@ -99,7 +100,10 @@ def main(argv=None):
         hf_family(model.config)  # so does a shape transformers has no class for
         check_target(c.hf_dir, c.overwrite)
         model.save_pretrained(c.hf_dir)
-        note = save_tokenizer(state["tokenizer"], c.hf_dir, model.config.block_size)
+        if state["tokenizer"].get("kind") == "images":  # a vision transformer: its image processor instead
+            note = save_image_processor(state["tokenizer"], c.hf_dir)
+        else:
+            note = save_tokenizer(state["tokenizer"], c.hf_dir, model.config.block_size)
         print(f"wrote {c.hf_dir} ({model.get_num_params():,} parameters); {note}")
 
     cli_main(command, argv)

@@ -95,7 +95,7 @@ def check_max_new_tokens(max_new_tokens):
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
 
 
-def next_logits(model, seq, length, cache=None):
+def next_logits(model, seq, length, cache=None, source=None):
     """The logits (B, vocab) of the token after seq[:, :length], through the cache or afresh.
 
     The tokens the cache has not seen yet go through it (the whole prompt first, then one per step),
@@ -105,6 +105,8 @@ def next_logits(model, seq, length, cache=None):
     windows and linear layers, relative positions) never recomputes: the cache takes the new tokens,
     block_size at a time, and without a cache the whole sequence runs, which computes the same."""
     block_size = model.config.block_size
+    if source is not None:  # an encoder-decoder without a cache: the whole forward, encoder included, each step
+        return model.forward_cached(seq[:, max(0, length - block_size) : length], source=source)[:, -1]
     if model.config.context_limit is None:
         if cache is None:
             return model.forward_cached(seq[:, :length])[:, -1]
@@ -118,7 +120,7 @@ def next_logits(model, seq, length, cache=None):
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, sampling=Sampling(), *, eos_token_id=None, use_cache=True, generator=None,
-             step=None):
+             step=None, source=None, pad_mask=None):
     """Continues each row of idx (B, T; rows of equal length) by up to max_new_tokens tokens.
 
     Returns (B, T + new). Call model.eval() first, or dropout stays on. With the cache, the prompt runs
@@ -130,15 +132,16 @@ def generate(model, idx, max_new_tokens, sampling=Sampling(), *, eos_token_id=No
 
     generator: None, a torch.Generator, or a list of one per row (row i then draws exactly the tokens
     a batch of one with that generator would). step: as stream's (StaticDecode: the compiled step).
-    Speculative decoding: speculative.generate."""
+    Speculative decoding: speculative.generate. source (B, S): an encoder-decoder's source ids (pad_mask:
+    True on their real tokens), encoded once; idx then starts the decoder (T5: its pad id, 0)."""
     columns = stream(model, idx, max_new_tokens, sampling, eos_token_id=eos_token_id, use_cache=use_cache,
-                     generator=generator, step=step)
+                     generator=generator, step=step, source=source, pad_mask=pad_mask)
     return torch.cat([idx, *columns], dim=1)
 
 
 @torch.no_grad()
 def stream(model, idx, max_new_tokens, sampling=Sampling(), *, eos_token_id=None, use_cache=True, generator=None,
-           step=None):
+           step=None, source=None, pad_mask=None):
     """generate() one step at a time: yields each new (B, 1) column of tokens as soon as it exists.
 
 
@@ -150,13 +153,16 @@ def stream(model, idx, max_new_tokens, sampling=Sampling(), *, eos_token_id=None
     B, T = idx.shape
     seq = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
     seq[:, :T] = idx
-    cache = model.new_cache() if use_cache else None
+    if source is not None and pad_mask is not None and not use_cache:
+        raise ValueError("pad_mask with use_cache=False: the uncached loop takes sources of one length")
+    cache = (model.new_cache(source=source, pad_mask=pad_mask) if source is not None else model.new_cache()) if use_cache else None
+    uncached_source = None if use_cache else source
     finished = torch.zeros(B, 1, dtype=torch.bool, device=idx.device)
     length, end = T, T + max_new_tokens
     while length < end:
         tokens = None if step is None else step(seq, length, end, cache)
         if tokens is None:
-            tokens = sample_next(next_logits(model, seq, length, cache), sampling, generator)
+            tokens = sample_next(next_logits(model, seq, length, cache, uncached_source), sampling, generator)
         for token in tokens.split(1, dim=1):
             if eos_token_id is not None:
                 token = token.masked_fill(finished, eos_token_id)

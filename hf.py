@@ -13,12 +13,9 @@ import os
 import torch
 
 import attention
-from configurator import DataError, UserError
-from tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, EOT, HFTokenizer, TiktokenTokenizer, UNK, describe_meta
-
-
-class PretrainedError(UserError):
-    """Weights that cannot be had or do not fit: one line for the user, no traceback."""
+import hf_encoders
+from configurator import DataError, PretrainedError, UserError
+from tokenizer import CHAT_TEMPLATE, CHAT_TOKENS, ENCODER_TOKENS, EOT, HFTokenizer, TiktokenTokenizer, UNK, describe_meta
 
 
 def load_pretrained(build, name_or_dir):
@@ -36,10 +33,10 @@ def load_pretrained(build, name_or_dir):
     to_config, to_ours, _, _ = HF_FAMILIES[kind]
     model = build(to_config(hf_config, directory))
     config = model.config
-    state = to_ours(load_hf_state_dict(directory), config)
-    if config.tie_embeddings:
-        state["lm_head.weight"] = state["tok_emb.weight"]
+    state = to_ours(load_hf_state_dict(directory), config, hf_config)
     expected = model.state_dict()
+    if config.tie_embeddings and "lm_head.weight" in expected:
+        state["lm_head.weight"] = state["tok_emb.weight"]
     missing, unexpected = set(expected) - set(state), set(state) - set(expected)
     if missing or unexpected:
         raise PretrainedError(
@@ -74,12 +71,17 @@ def save_pretrained(model, directory):
 
 
 def pretrained_tokenizer(name_or_dir, model):
-    """The tokenizer.json beside Hugging Face weights; GPT-2 weights without one get tiktoken's gpt2."""
+    """The tokenizer.json beside Hugging Face weights; GPT-2 weights without one get tiktoken's gpt2; a
+    vision transformer reads pixels (None)."""
+    if model.config.image_size:
+        return None
     path = os.path.join(name_or_dir, "tokenizer.json")
     if os.path.isdir(name_or_dir) and os.path.exists(path):
         with open(os.path.join(name_or_dir, "config.json")) as f:
-            eos = json.load(f).get("eos_token_id")
+            hf_config = json.load(f)
+        eos = hf_config.get("eos_token_id")
         tokenizer = HFTokenizer(path, eos if isinstance(eos, int) else None)
+        tokenizer.decoder_start = hf_config.get("decoder_start_token_id")  # an encoder-decoder's (T5: its pad, 0)
         settings = os.path.join(name_or_dir, "tokenizer_config.json")
         if tokenizer.eot_token is None and os.path.exists(settings):  # an export of ours names it there
             with open(settings) as f:
@@ -160,6 +162,11 @@ def family_mismatches(config, keys):
 
 def family(config):
     """The transformers architecture with this config's computation (a FAMILY_KEYS name), or None."""
+    if config.family != "decoder":
+        try:
+            return hf_encoders.family_of(config)
+        except PretrainedError:
+            return None
     return next((name for name, (_, _, keys) in FAMILY_KEYS.items() if not family_mismatches(config, keys)), None)
 
 
@@ -170,6 +177,8 @@ def uses_gpt2_tokenizer(config):
 
 
 def hf_family(config):
+    if config.family != "decoder":  # BERT, ViT, T5
+        return hf_encoders.family_of(config)
     kind = family(config)
     if kind is not None:
         return kind
@@ -212,7 +221,7 @@ GPT2_LAYER_KEYS = {
 GPT2_TOP_KEYS = {"tok_emb.weight": "wte.weight", "positions.wpe.weight": "wpe.weight", "norm_f.weight": "ln_f.weight", "norm_f.bias": "ln_f.bias"}
 
 
-def gpt2_to_ours(hf_state, config):
+def gpt2_to_ours(hf_state, config, hf_config=None):
     hf_state = {k.removeprefix("transformer."): v for k, v in hf_state.items()}
     state = {ours: hf_state[theirs] for ours, theirs in GPT2_TOP_KEYS.items()}
     for i in range(config.n_layer):
@@ -297,7 +306,7 @@ ARCEE_FUSED_KEYS = {**LLAMA_FUSED_KEYS, "mlp.fc.weight": ("mlp.up_proj.weight",)
 def llama_like(layer_keys=LLAMA_LAYER_KEYS, fused_keys=LLAMA_FUSED_KEYS):
     """(to_ours, from_ours) for a Llama-shaped state dict with these per-layer names."""
 
-    def to_ours(hf_state, config):
+    def to_ours(hf_state, config, hf_config=None):
         state = {"tok_emb.weight": hf_state["model.embed_tokens.weight"], "norm_f.weight": hf_state["model.norm.weight"]}
         for i in range(config.n_layer):
             for ours, theirs in layer_keys.items():
@@ -395,6 +404,7 @@ HF_FAMILIES = {
     "mistral": (mistral_config, llama_to_ours, mistral_hf_config, llama_from_ours),
     "qwen3": (qwen3_config, qwen3_to_ours, qwen3_hf_config, qwen3_from_ours),
     "arcee": (arcee_config, arcee_to_ours, arcee_hf_config, arcee_from_ours),
+    **hf_encoders.FAMILIES,
 }
 
 
@@ -453,9 +463,9 @@ def save_tokenizer(meta, directory, max_length):
               "clean_up_tokenization_spaces": False}
     with open(os.path.join(directory, "config.json")) as f:  # its end-of-text ids are this tokenizer's
         model_config = json.load(f)  # (transformers' defaults: GPT-2's 50256, Llama's 1 and 2)
-    chat = meta.get("kind") == "chat"
-    special = list(CHAT_TOKENS) if chat else []
-    meta = meta["base"] if chat else meta
+    chat, encoder = meta.get("kind") == "chat", meta.get("kind") == "encoder"
+    special = list(CHAT_TOKENS) if chat else list(ENCODER_TOKENS) if encoder else []
+    meta = meta["base"] if chat or encoder else meta
     eot = 50256
     if meta == {"kind": "tiktoken", "encoding": "gpt2"}:
         vocab, merges = gpt2_byte_level()
@@ -491,17 +501,26 @@ def save_tokenizer(meta, directory, max_length):
         tokenizer.decoder = decoders.Fuse()  # and back without spaces between them
     else:
         return f"no tokenizer written: {describe_meta(meta)} has no Hugging Face equivalent here"
-    if chat:
+    if chat or encoder:
         first = tokenizer.get_vocab_size(with_added_tokens=True) if meta.get("kind") != "char" else len(meta["chars"])
         tokenizer.add_special_tokens(special)  # appended after the base vocabulary (a character one has them already)
         if [tokenizer.token_to_id(t) for t in special] != list(range(first, first + len(special))):
-            raise UserError(f"the chat tokens did not land at ids {first}-{first + len(special) - 1} in the exported tokenizer")
+            raise UserError(f"the special tokens did not land at ids {first}-{first + len(special) - 1} in the exported tokenizer")
+    if encoder:  # BERT's names for them; [SEP] ends a text
+        eot = tokenizer.token_to_id("[SEP]")
+        config.update(cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]", pad_token="[PAD]", eos_token="[SEP]",
+                      bos_token=None, additional_special_tokens=special)
+        what += f"; BERT's {len(special)} tokens (ids {first}-{first + len(special) - 1})"
+    if chat:
         eot = tokenizer.token_to_id(CHAT_TOKENS[-1])  # a reply ends at <|end|>: transformers' generate stops there
         config.update(eos_token=CHAT_TOKENS[-1], chat_template=CHAT_TEMPLATE, additional_special_tokens=special)
         config.setdefault("bos_token", None)
         what += f"; the chat template and its {len(special)} tokens (ids {first}-{first + len(special) - 1})"
+    ids = {"bos_token_id": eot, "eos_token_id": eot}
+    if encoder:  # (T5's decoder starts at [CLS] here, and pads with [PAD])
+        ids |= {"decoder_start_token_id": tokenizer.token_to_id("[CLS]"), "pad_token_id": tokenizer.token_to_id("[PAD]")}
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(model_config | {"bos_token_id": eot, "eos_token_id": eot}, f, indent=2)
+        json.dump(model_config | ids, f, indent=2)
     tokenizer.save(os.path.join(directory, "tokenizer.json"))
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -5,6 +5,7 @@ Looks inside a trained model: its attention maps for a prompt, and per-head scor
   python interpret.py --out_dir=out-shakespeare-char-cpu --start=FILE:prompt.txt --layer=1 --head=2
   python interpret.py --out_dir=out-shakespeare-char-cpu --scores=True --json=heads.json
   python interpret.py --out_dir=out-shakespeare-char-cpu --probe=True --layer=1 --head=0   the probe's maps
+  python interpret.py --out_dir=out-vit-digits --image=3      a vision transformer: held-out image 3
 
 The maps are the softmax weights the model computed in its forward pass (layers x heads; the causal mask's
 hidden half, and keys outside a sliding window, in grey; linear-attention layers have no such weights and
@@ -22,6 +23,11 @@ distinct random tokens, each row repeated twice. Per head, averaged over rows:
              its token-to-logit matrix W_U W_O W_V W_E (norms ignored), +1 copies, -1 suppresses.
 and for the model, the in-context learning score: the mean loss on the second copy minus the mean loss on
 the first (below 0: the model uses the first copy; a model without induction heads stays near 0).
+
+A vision transformer (image_size > 0): the class token's attention over the patches of one held-out image
+of its dataset, per layer and head, and each head's mean attention distance by layer over the first
+--images held-out images (probes.image_attention; the locality the chapter describes: lower layers hold
+heads that look nearby beside heads that look across the whole image).
 """
 
 import os
@@ -29,10 +35,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+import torch
+
 from checkpoint import load_any
 from configurator import ConfigError, command_line, read_prompt
 from dataset import write_json
-from probes import attention_maps, default_probe_len, head_scores, probe_tokens
+from probes import attention_maps, default_probe_len, head_scores, image_attention, probe_tokens
 
 
 @dataclass
@@ -49,6 +57,8 @@ class InterpretConfig:
     probe_rows: int = 16  # probe rows (each its own random tokens)
     seed: int = 0  # the probe's random tokens
     json: str = ""  # also write the scores here as JSON
+    image: int = 0  # a vision transformer: the held-out image (of its dataset's val split) to draw
+    images: int = 100  # a vision transformer: held-out images the mean attention distances average over
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -128,10 +138,55 @@ def draw(maps, labels, path, layer=None, head=None):
 # Command line
 
 
+def look_at_images(c, model, state):
+    """A vision transformer's class-token maps for one held-out image, and its heads' mean attention distances."""
+    from labeled import ImageSampler
+    from dataset import resolve_dataset
+
+    if state is None:
+        raise ConfigError("a vision transformer's maps are drawn on its run's dataset: give --out_dir of a training run")
+    sampler = ImageSampler(resolve_dataset(state["train_config"]["dataset"]), "val", 0)
+    n = len(sampler.labels)
+    if not 0 <= c.image < n or c.images < 1:
+        raise ConfigError(f"image={c.image} must be in [0, {n - 1}] (the held-out images) and images={c.images} >= 1")
+    pixels = sampler.images[: min(c.images, n)]
+    _, distances = image_attention(model, pixels)
+    maps, _ = image_attention(model, sampler.images[c.image : c.image + 1])
+    side, patch = model.config.image_size // model.config.patch_size, model.config.patch_size
+    grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij"), -1).reshape(-1, 2).float()
+    uniform = float(torch.cdist(grid, grid).mean()) * patch
+    lines = [f"mean attention distance in pixels (patch centres, {len(pixels)} held-out images; the image is "
+             f"{model.config.image_size} pixels wide; uniform attention: {uniform:.2f})", "layer  " + "  ".join(f"head {h}" for h in range(distances.size(1)))]
+    lines += [f"{layer:5d}  " + "  ".join(f"{d:6.2f}" for d in row.tolist()) for layer, row in enumerate(distances)]
+    print("\n".join(lines))
+    from plot import pyplot, save
+
+    plt = pyplot()
+    if plt is None:
+        return distances
+    layers, heads = len(maps), maps[0].size(0)
+    fig, axes = plt.subplots(layers, heads + 1, figsize=(1.8 * (heads + 1), 1.8 * layers), squeeze=False)
+    image = sampler.images[c.image].permute(1, 2, 0).squeeze(-1).numpy()
+    for r in range(layers):
+        axes[r][0].imshow(image, cmap="gray" if image.ndim == 2 else None)
+        axes[r][0].set_title(f"label {int(sampler.labels[c.image])}" if r == 0 else "", fontsize=8)
+        for h in range(heads):
+            axes[r][h + 1].imshow(maps[r][h, 0].numpy(), cmap="viridis")
+            axes[r][h + 1].set_title(f"layer {r} head {h}: {distances[r, h]:.1f} px", fontsize=7)
+        for ax in axes[r]:
+            ax.set_xticks([]), ax.set_yticks([])
+    fig.suptitle("the class token's attention over the patches (each head's mean attention distance)", fontsize=9)
+    png = c.png or os.path.join(c.out_dir, "attention.png")
+    print(f"wrote {save(plt, fig, png)}: held-out image {c.image}, every layer and head")
+    return distances
+
+
 def interpret(c):
-    model, tokenizer, _ = load_any(c.out_dir if c.init_from == "resume" else c.init_from)
+    model, tokenizer, state = load_any(c.out_dir if c.init_from == "resume" else c.init_from)
     model.eval()
     config = model.config
+    if config.image_size:
+        return look_at_images(c, model, state)
     if c.scores:
         s = head_scores(model, c.probe_len or None, c.probe_rows, c.seed)
         print(scores_table(s))

@@ -4,8 +4,9 @@ Position schemes: how a GPT knows where a token is. Each is one small module cho
 scheme needs a branch anywhere else:
   embed(x, start):              token embeddings of positions start.. -> with absolute positions added
   rotate(q, k, start):          queries and keys -> rotated (RoPE)
-  attn_bias(start, T, k_start, k_len):  an additive (n_head, T, k_len) bias for queries at start.. and keys
-                                 at k_start.., with -inf on keys after a query (the causal mask), or None
+  attn_bias(start, T, k_start, k_len, causal=True):  an additive (n_head, T, k_len) bias for queries at
+                                 start.. and keys at k_start.., with -inf on keys after a query (the causal
+                                 mask; causal=False: an encoder's two-way bias, nothing hidden), or None
   score_mod(T):                 the same bias as FlexAttention's score_mod(score, b, h, q_idx, kv_idx), for
                                  T queries and keys from position 0 (the mask hides later keys), or None
 and, for a compiled decode step where each row has its own position (a tensor pos of shape (B,)):
@@ -34,7 +35,7 @@ class NoPositions(nn.Module):
     def rotate(self, q, k, start):
         return q, k
 
-    def attn_bias(self, start, T, k_start, k_len):
+    def attn_bias(self, start, T, k_start, k_len, causal=True):
         return None
 
     def score_mod(self, T):
@@ -159,11 +160,11 @@ class ALiBiPositions(NoPositions):
         super().__init__(config)
         self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)
 
-    def attn_bias(self, start, T, k_start, k_len):
+    def attn_bias(self, start, T, k_start, k_len, causal=True):
         q_pos = torch.arange(start, start + T, device=self.slopes.device)[:, None]
         distance = q_pos - torch.arange(k_start, k_start + k_len, device=self.slopes.device)[None, :]
-        bias = -self.slopes.float()[:, None, None] * distance  # in fp32 even for bf16 weights: slopes are powers of 2
-        return bias.masked_fill(distance < 0, float("-inf"))
+        bias = -self.slopes.float()[:, None, None] * distance.abs()  # in fp32 even for bf16 weights: slopes are powers of 2
+        return bias.masked_fill(distance < 0, float("-inf")) if causal else bias
 
     def bias_at(self, pos, key_pos):
         distance = pos[:, None] - key_pos  # (B, K)
@@ -204,10 +205,14 @@ class T5Positions(NoPositions):
         self.n_buckets, self.max_distance = config.t5_buckets, config.t5_max_distance
         self.bias = nn.Embedding(config.t5_buckets, config.n_head)
 
-    def attn_bias(self, start, T, k_start, k_len):
+    def attn_bias(self, start, T, k_start, k_len, causal=True):
         device = self.bias.weight.device
         distance = (torch.arange(start, start + T, device=device)[:, None]
                     - torch.arange(k_start, k_start + k_len, device=device)[None, :])  # fmt: skip
+        if not causal:  # T5's encoder: half the buckets for keys before the query, half for keys after it
+            half = self.n_buckets // 2
+            buckets = t5_bucket(distance.abs(), half, self.max_distance) + half * (distance < 0)
+            return self.bias(buckets).permute(2, 0, 1).float()
         bias = self.bias(t5_bucket(distance.clamp_min(0), self.n_buckets, self.max_distance)).permute(2, 0, 1)
         return bias.float().masked_fill(distance < 0, float("-inf"))
 

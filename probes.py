@@ -64,6 +64,27 @@ def attention_maps(model, ids):
     return logits, [None if m is None else (m.weights[0], m.hidden[0]) for m in maps]
 
 
+def image_attention(model, pixels):
+    """A vision transformer's class-token attention over its patches, per layer: (H, images, rows, cols)
+    each, the patches in their places (row by row), and each head's mean attention distance per layer
+    (layers, H): for every patch query, the pixel distance between patch centres averaged under its weights
+    over the patch keys (Dosovitskiy et al. 2021, fig. 7: low where a head looks nearby, high where it looks
+    across the image), averaged over queries and images."""
+    c = model.config
+    side = c.image_size // c.patch_size
+    grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij"), -1).reshape(-1, 2).float()
+    distance = torch.cdist(grid, grid) * c.patch_size  # (P, P) in pixels
+    with torch.no_grad(), recording(model) as records:
+        model(pixels)
+    cls_maps, distances = [], []
+    for r in records:
+        w = r.weights.float()  # (B, H, 1 + P, 1 + P)
+        cls_maps.append(w[:, :, 0, 1:].reshape(w.size(0), w.size(1), side, side).transpose(0, 1))
+        patches = w[:, :, 1:, 1:] / w[:, :, 1:, 1:].sum(-1, keepdim=True)
+        distances.append((patches * distance).sum(-1).mean(dim=(0, 2)))
+    return cls_maps, torch.stack(distances)
+
+
 # ----------------------------------------------------------------------------------------------------
 # Scores on the repeated random-token probe
 

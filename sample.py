@@ -3,6 +3,7 @@ Samples text from a trained model (or GPT-2 / a Hugging Face model directory) wi
 
   python sample.py --out_dir=out-shakespeare-char-cpu --start="ROMEO:" --num_samples=3
   python sample.py --init_from=gpt2 --start="FILE:prompt.txt" --stream=True
+  python sample.py --out_dir=out-seq2seq --source=40213 --temperature=0   # an encoder-decoder
   python sample.py --help
 
 The num_samples samples run as one batch; sample i draws from its own generator seeded with seed + i,
@@ -22,7 +23,7 @@ from configurator import ConfigError, DataError, checked, command_line, keys_of,
 from device import DEVICES, pick_device
 from generate import Sampling, check_max_new_tokens
 from quantize import WEIGHTS_DTYPES, for_inference, precision_line
-from tokenizer import EOT, continuation
+from tokenizer import EOT, continuation, decoder_start, source_ids
 
 
 @dataclass
@@ -44,6 +45,7 @@ class SampleConfig(ContextKeys):
     num_draft: Optional[int] = None  # tokens the draft proposes per step; None = 4 for ngram, 2 for a model
     crop_prompt: str = "no"  # a prompt longer than block_size: no (refused) | left (keep its last block_size tokens, as nanoGPT)
     compile: bool = False  # decode through static caches with a torch.compile'd step (CUDA graphs on a GPU); the same tokens
+    source: str = ""  # an encoder-decoder's input (FILE:path reads a file): the encoder reads it, the decoder writes from its start token
 
 
 SAMPLE_CHOICES = {"device": DEVICES, "weights_dtype": WEIGHTS_DTYPES, "crop_prompt": ("no", "left"), **ContextKeys.CHOICES}
@@ -127,6 +129,23 @@ def generate_texts(model, tokenizer, prompt, c, device, draft=None):
     return [decode(tokenizer, ids, row[len(ids) :].tolist(), c.stop) for row in out]
 
 
+def seq2seq_texts(model, tokenizer, source, c, device):
+    """An encoder-decoder's outputs for one source, one per sample: the encoder runs once, the decoder
+    writes from its start token until its end token."""
+    ids = source_ids(tokenizer, source)
+    if len(ids) > model.config.block_size:
+        raise ConfigError(f"the source is {len(ids)} tokens, longer than the model's block_size={model.config.block_size}")
+    src = torch.tensor([ids] * c.num_samples, dtype=torch.long, device=device)
+    idx = torch.full((c.num_samples, 1), decoder_start(tokenizer), dtype=torch.long, device=device)
+    generators = [torch.Generator(device=device).manual_seed(c.seed + i) for i in range(c.num_samples)]
+    end = source_ids(tokenizer, "")[-1]
+    new = min(c.max_new_tokens, model.config.block_size - 1)  # the decoder's context: its start and `new` tokens
+    log_precision(replace(c, max_new_tokens=new), device, [0], model.config)
+    out = generate.generate(model, idx, new, sampling_of(c), eos_token_id=end, generator=generators, source=src)
+    rows = [row[1:].tolist() for row in out]
+    return [tokenizer.decode(row[: row.index(end)] if end in row else row) for row in rows]
+
+
 def stream_text(model, tokenizer, prompt, c, device, write, draft=None):
     """One sample, written as it arrives after the prompt; returns the sample (prompt excluded). Text that
     could be the start of the stop string is held back until it is clear it is not; a token that ends
@@ -192,6 +211,13 @@ def sample(c):
     device = pick_device(c.device)
     draft = speculative.load_draft(c.draft, c.num_draft) if c.draft else None  # a bad num_draft fails here
     model, tokenizer, _ = load_for(c)
+    seq2seq = model.config.family == "encoder-decoder"
+    if model.config.family == "encoder":
+        raise ConfigError("this model is an encoder (family='encoder'): it fills masks or classifies, it does not sample "
+                          "text; score it with eval.py")
+    if seq2seq != bool(c.source) or (seq2seq and (c.stream or c.draft or c.compile)):
+        raise ConfigError("an encoder-decoder writes from --source=TEXT (no stream, draft or compile)" if seq2seq else
+                          "--source is an encoder-decoder's input; this model continues --start")
     model = checked(for_inference, model.to(device=device), c.weights_dtype)
     if draft is not None:
         draft.check(model.config, tokenizer)
@@ -199,7 +225,11 @@ def sample(c):
     prompt = read_prompt(c.start)
     c = replace(c, stop=None if c.stop is None else unescape(c.stop))
     try:
-        if c.stream:
+        if seq2seq:
+            for text in seq2seq_texts(model, tokenizer, read_prompt(c.source), c, device):
+                print(text)
+                print("---------------")
+        elif c.stream:
             stream_text(model, tokenizer, prompt, c, device, lambda s: print(s, end="", flush=True), draft)
             print()
         else:

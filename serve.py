@@ -9,7 +9,9 @@ to try it in a browser.
 Endpoints: POST /v1/completions (prompt as text, texts, token ids or lists of them; max_tokens, temperature,
 top_p, top_k, stop, seed, n, stream, echo, logprobs), POST /v1/chat/completions (messages, for a model
 fine-tuned on conversations; max_tokens or max_completion_tokens, the same sampling keys, logprobs and
-top_logprobs), GET /v1/models, GET /health, GET / (the page; a chat mode for a chat model).
+top_logprobs), GET /v1/models, GET /health, GET / (the page; a chat mode for a chat model). An
+encoder-decoder (config/train_seq2seq_cpu.py) reads each prompt as its source and completes it from its
+decoder's start: {"prompt": "40213"} -> "forty thousand two hundred thirteen".
 Needs `pip install -r requirements-serve.txt` (FastAPI and uvicorn; nothing else here imports them).
 
 Requests are decoded together by engine.py's Engine (continuous batching); this file parses them,
@@ -35,7 +37,7 @@ from device import DEVICES, pick_device
 from engine import Engine, Job, QueueFull
 from generate import Sampling
 from quantize import BATCH_OVERRIDE, WEIGHTS_DTYPES, for_inference, precision_line
-from tokenizer import ChatTokenizer, chat_tokenizer, check_messages
+from tokenizer import ChatTokenizer, chat_tokenizer, check_messages, decoder_start, source_ids
 
 MAX_BODY_BYTES = 1 << 20  # a request larger than 1 MB is refused (413) before it is parsed
 MAX_LOGPROBS = 20
@@ -154,6 +156,9 @@ def parse_request(body, tokenizer, config, max_tokens_limit):
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     prompts = prompts_of(body, tokenizer, config.vocab_size)
+    if config.family == "encoder-decoder":  # a prompt is a source text: closed by its end token, as sample.py's
+        end = source_ids(tokenizer, "")[-1]
+        prompts = [p if p[-1] == end else [*p, end] for p in prompts]
     s = dict(
         max_tokens=field(body, "max_tokens", (int,), min(16, max_tokens_limit), lambda v: 0 <= v <= max_tokens_limit,
                          f"in [0, {max_tokens_limit}] (the server's max_tokens_limit)"),
@@ -161,6 +166,8 @@ def parse_request(body, tokenizer, config, max_tokens_limit):
         echo=field(body, "echo", (bool,), False),
         logprobs=field(body, "logprobs", (int,), None, lambda v: 0 <= v <= MAX_LOGPROBS, f"in [0, {MAX_LOGPROBS}]"),
     )
+    if config.family == "encoder-decoder" and s["echo"]:
+        raise BadRequest("'echo': an encoder-decoder's prompt is its source, not the start of its text", "echo")
     if s["max_tokens"] == 0 and not (s["echo"] and s["logprobs"] is not None):
         raise BadRequest("'max_tokens' is 0: set echo and logprobs to score the prompt, or ask for tokens", "max_tokens")
     check_context(prompts, config)
@@ -271,8 +278,11 @@ def make_app(model, tokenizer, c, name, engine_thread=True):
         jobs = []
         for index, (prompt, j) in enumerate((p, j) for p in prompts for j in range(s["n"])):
             send = lambda event, index=index: engine.outbox.post(loop, events.put_nowait, (index, event))  # noqa: E731
+            source = None
+            if model.config.family == "encoder-decoder":  # the prompt is the source; the decoder writes from its start
+                source, prompt = prompt, [decoder_start(tokenizer)]
             jobs.append(Job(prompt, s["max_tokens"], sampling, tokenizer=tokenizer, send=send, seed=seed + j,
-                            stop=s["stop"], logprobs=s["logprobs"], echo=s["echo"], device=engine.device))
+                            stop=s["stop"], logprobs=s["logprobs"], echo=s["echo"], device=engine.device, source=source))
         try:
             engine.submit(jobs)
         except QueueFull:
@@ -549,6 +559,9 @@ def serve_on(listening, c):
 
     device = pick_device(c.device)
     model, tokenizer, _ = load_for(c)
+    if model.config.family == "encoder":
+        raise ConfigError("this model is an encoder (family='encoder'): it fills masks or classifies, it writes no "
+                          "text to serve; score it with eval.py")
     model = checked(for_inference, model.to(device=device), c.weights_dtype, batch_rows=c.max_batch)
     name = c.model_name or (c.out_dir if c.init_from == "resume" else c.init_from).rstrip("/").split("/")[-1]
     app = make_app(model, tokenizer, c, name, engine_thread=False)

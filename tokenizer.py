@@ -217,6 +217,10 @@ def describe_meta(meta):
 
     if meta.get("kind") == "chat":
         return f"{describe_meta(meta['base'])} + the chat template's {len(CHAT_TOKENS)} tokens"
+    if meta.get("kind") == "encoder":
+        return f"{describe_meta(meta['base'])} + BERT's {len(ENCODER_TOKENS)} tokens ({', '.join(ENCODER_TOKENS)})"
+    if meta.get("kind") == "images":
+        return f"images ({meta['channels']} x {meta['image_size']} x {meta['image_size']}, {len(meta['classes'])} classes)"
     if meta.get("kind") == "char":
         chars = meta["chars"]
         return f"{len(chars)} characters {chars[:40]!r}" + ("..." if len(chars) > 40 else "")
@@ -251,6 +255,11 @@ def same_vocabulary(a, b):
 
 
 def tokenizer_from_meta(meta):
+    """The tokenizer a dataset's or checkpoint's meta names; None for images (a vision transformer reads pixels)."""
+    if meta.get("kind") == "images":
+        return None
+    if meta.get("kind") == "encoder":
+        return EncoderTokenizer(tokenizer_from_meta(meta["base"]))
     if meta.get("kind") == "chat":
         return ChatTokenizer(tokenizer_from_meta(meta["base"]))
     if meta.get("kind") == "char":
@@ -272,20 +281,21 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ '<|' + message['role'] + '|>' 
                  "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
 
 
-class ChatTokenizer:
-    """A base tokenizer (characters, our BPE, a tiktoken encoding) plus the chat template's four special
-    tokens, at ids base.vocab_size + 0..3. Text never encodes to them (a user who types "<|user|>" gets
-    its characters): only render() places them, so a message cannot forge a turn."""
+class SpecialTokens:
+    """A base tokenizer (characters, our BPE, a tiktoken encoding) plus special tokens (TOKENS) at ids
+    base.vocab_size + 0, 1, ... Text never encodes to them (a user who types one gets its characters):
+    only the code that frames a text places them."""
+
+    TOKENS = ()
 
     def __init__(self, base):
-        if isinstance(base, ChatTokenizer):
+        if isinstance(base, SpecialTokens):
             base = base.base
         self.base = base
-        self.special = {t: base.vocab_size + i for i, t in enumerate(CHAT_TOKENS)}
+        self.special = {t: base.vocab_size + i for i, t in enumerate(self.TOKENS)}
         self.names = {i: t for t, i in self.special.items()}
-        self.vocab_size = base.vocab_size + len(CHAT_TOKENS)
+        self.vocab_size = base.vocab_size + len(self.TOKENS)
         self.eot_token = base.eot_token
-        self.end_token = self.special["<|end|>"]  # where a reply ends: generation stops there
 
     def encode(self, text):
         return self.base.encode(text)
@@ -302,7 +312,18 @@ class ChatTokenizer:
         return "".join(out) + self.base.decode(run)
 
     def token_bytes(self):
-        return self.base.token_bytes() + [0] * len(CHAT_TOKENS)
+        return self.base.token_bytes() + [0] * len(self.TOKENS)
+
+
+class ChatTokenizer(SpecialTokens):
+    """A base tokenizer plus the chat template's four special tokens; only render() places them, so a
+    message cannot forge a turn."""
+
+    TOKENS = CHAT_TOKENS
+
+    def __init__(self, base):
+        super().__init__(base)
+        self.end_token = self.special["<|end|>"]  # where a reply ends: generation stops there
 
     def meta(self):
         return {"kind": "chat", "base": self.base.meta()}
@@ -321,6 +342,53 @@ class ChatTokenizer:
             ids.append(self.special["<|assistant|>"])
             trained.append(0)
         return ids, trained
+
+
+ENCODER_TOKENS = ("[CLS]", "[SEP]", "[MASK]", "[PAD]")  # BERT's: first, end (a decoder's start and end too), masked, padding
+
+
+class EncoderTokenizer(SpecialTokens):
+    """A base tokenizer plus BERT's four special tokens: [CLS] opens an encoder's input (a classifier reads
+    its final state), [SEP] ends it, [MASK] stands for a masked token, [PAD] fills a short row. An
+    encoder-decoder's decoder starts at [CLS] and stops at [SEP]."""
+
+    TOKENS = ENCODER_TOKENS
+
+    def __init__(self, base):
+        super().__init__(base)
+        self.eot_token = self.end_token = self.special["[SEP]"]
+
+    @classmethod
+    def from_meta(cls, meta):
+        return cls(tokenizer_from_meta(meta["base"] if meta.get("kind") == "encoder" else meta))
+
+    def meta(self):
+        return {"kind": "encoder", "base": self.base.meta()}
+
+    def wrap(self, text):
+        """[CLS] text [SEP]: a classifier's input."""
+        return [self.special["[CLS]"], *self.encode(text), self.special["[SEP]"]]
+
+
+def source_ids(tokenizer, text):
+    """An encoder-decoder's source: the text's ids, then its end ([SEP] here; T5's </s>, its eos)."""
+    end = tokenizer.end_token if isinstance(tokenizer, EncoderTokenizer) else tokenizer.eot_token
+    if end is None:
+        raise DataError(f"{describe_tokenizer(tokenizer)} has no end token to close an encoder-decoder's source")
+    return [*tokenizer.encode(text), end]
+
+
+def decoder_start(tokenizer):
+    """The token an encoder-decoder's decoder starts from: [CLS] here; a Hugging Face model's
+    decoder_start_token_id (T5's: its pad, 0)."""
+    if isinstance(tokenizer, EncoderTokenizer):
+        return tokenizer.special["[CLS]"]
+    start = getattr(tokenizer, "decoder_start", None)
+    return 0 if start is None else start
+
+
+def encoder_tokenizer(tokenizer):
+    return tokenizer if isinstance(tokenizer, EncoderTokenizer) else EncoderTokenizer(tokenizer)
 
 
 def chat_tokenizer(tokenizer):

@@ -23,17 +23,18 @@ from typing import Optional
 import torch
 
 from checkpoint import (CHECKPOINT, METRICS, ContextKeys, RunLock, RunState, load_any, load_checkpoint, load_model, lora_model,
-                        tokens_per_step, with_dropout)
+                        tokens_per_step, with_dropout, with_head)
 from configurator import ConfigError, DataError, checked, cli_main, keys_of, parse_config
 from dataset import BatchSampler, ConversationSampler, is_masked_dataset, open_split, read_meta, resolve_dataset
 from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
 from device import autocast as autocast_for
 from hf import uses_gpt2_tokenizer
+from labeled import ImageSampler, LabeledSampler, MaskedTokens, check_images, check_labeled, is_image_dataset, labeled_kind
 import lora
 from model import MODEL_CHOICES, MODEL_KEYS, GPT, GPTConfig, ModelKeys, lm_loss, model_config, model_helps
 from optim import OPTIMIZERS, build_optimizers, clip_gradients, get_lr
 from probes import best, head_scores, recording
-from tokenizer import CHAT_TOKENS, describe_meta, describe_tokenizer, same_vocabulary, tokenizer_from_meta
+from tokenizer import CHAT_TOKENS, EncoderTokenizer, describe_meta, describe_tokenizer, same_vocabulary, tokenizer_from_meta
 
 @dataclass
 class TrainConfig(ModelKeys):  # and every model key (model.ModelKeys)
@@ -58,6 +59,7 @@ class TrainConfig(ModelKeys):  # and every model key (model.ModelKeys)
     # batches
     batch_size: int = 12  # sequences per micro-step, per process
     gradient_accumulation_steps: int = 1  # micro-steps per optimizer step, over all processes together
+    image_shift: int = 0  # images (a vision transformer): shift each drawn training image by up to this many pixels; 0 = off
     # optimizer and its schedule
     optimizer: str = "adamw"  # adamw | muon (Muon for the blocks' matrices, AdamW for embeddings, head, norms, biases)
     muon_momentum: float = 0.95  # Muon's Nesterov momentum
@@ -95,6 +97,8 @@ def config_keys():
 
 def check_config(c):
     """Values that parse but cannot work; each a ConfigError naming the key."""
+    if c.image_shift < 0:
+        raise ConfigError(f"image_shift={c.image_shift} must be >= 0 (0: no augmentation)")
     positive = ["max_iters", "eval_interval", "eval_iters", "log_interval", "batch_size", "gradient_accumulation_steps",
                 "dist_timeout"]
     for key in positive:
@@ -192,6 +196,7 @@ def train(c, explicit, script=False, chosen=None):
                                 "elapsed": state.elapsed()},
                                f"eval {it}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}"
                                + (f" ({losses['val_bpb']:.4f} bits per byte)" if "val_bpb" in losses else "")
+                               + (f", val accuracy {losses['val_accuracy']:.4f}" if "val_accuracy" in losses else "")
                                + (f", induction {losses['induction_score']:.3f}, in-context {losses['icl_score']:+.3f}"
                                   if losses.get("induction_score") is not None else "")
                                + (" (best)" if improved else ""))
@@ -309,6 +314,10 @@ class Run:
     def build_model(self, c, explicit, ckpt):
         """The model (a checkpoint's weights loaded, LoRA applied) on the CPU; returns the config that runs."""
         self.data_meta = read_meta(resolve_dataset(c.dataset))
+        if c.head == "mlm" and self.data_meta["tokenizer"].get("kind") not in ("encoder", "images"):
+            # BERT's objective on a text dataset: the run's tokenizer is its tokenizer plus [CLS] [SEP] [MASK] [PAD]
+            tokenizer = EncoderTokenizer(tokenizer_from_meta(self.data_meta["tokenizer"]))
+            self.data_meta = {**self.data_meta, "tokenizer": tokenizer.meta(), "vocab_size": tokenizer.vocab_size}
         self.notes = []
         model, self.lora = build_model(c, explicit, self.data_meta, ckpt, self.notes)
         self.model_config = config = model.config
@@ -323,6 +332,23 @@ class Run:
     def open_data(self, c):
         """The batch samplers (token files, or conversations with their loss mask) and bits per byte's table."""
         config, data_dir = self.model_config, resolve_dataset(c.dataset)
+        self.token_bytes = None
+        if is_image_dataset(self.data_meta) or config.image_size:  # a vision transformer's: images and classes
+            check_images(self.data_meta["tokenizer"], config, f"dataset {c.dataset!r}")
+            self.train_batches = ImageSampler(data_dir, "train", c.seed, c.image_shift)
+            self.eval_batches = {s: ImageSampler(data_dir, s, 0) for s in ("train", "val")}
+            return
+        check_labeled(self.data_meta, config, f"dataset {c.dataset!r}")
+        if labeled_kind(self.data_meta):  # texts with labels, or source/target pairs
+            self.train_batches = LabeledSampler(data_dir, "train", c.seed, config.block_size)
+            self.eval_batches = {s: LabeledSampler(data_dir, s, 0, config.block_size) for s in ("train", "val")}
+            return
+        if config.head == "mlm":  # BERT's masked tokens over the text's windows ([CLS] first)
+            tokenizer = EncoderTokenizer.from_meta(self.data_meta["tokenizer"])
+            splits = {s: open_split(data_dir, s, tokenizer.base.vocab_size) for s in ("train", "val")}
+            self.train_batches = MaskedTokens(BatchSampler(splits["train"], config.block_size - 1, seed=c.seed), tokenizer)
+            self.eval_batches = {s: MaskedTokens(BatchSampler(f, config.block_size - 1, seed=0), tokenizer) for s, f in splits.items()}
+            return
         if self.chat:
             def sampler(split, seed):
                 return ConversationSampler(data_dir, split, config.block_size, seed, self.data_meta["vocab_size"])
@@ -401,8 +427,13 @@ class Run:
         self.model.eval()
         result = {}
         for i, (split, sampler) in enumerate(self.eval_batches.items()):
+            if hasattr(sampler, "ordered"):  # labelled examples: the split's first eval_iters batches, in order
+                result |= self.evaluate_in_order(split, sampler)
+                continue
             sampler.generator.manual_seed(c.seed + 1 + i)
             total = torch.zeros((), device=self.device)
+            right = torch.zeros((), device=self.device, dtype=torch.long)
+            masked = self.model_config.head == "mlm"
             n_bytes = n_trained = 0  # of every batch (each process draws them all): no collective needed
             for k in range(c.eval_iters):
                 if stop.signum is not None and not world.enabled:  # under torchrun: after the evaluation
@@ -418,8 +449,12 @@ class Run:
                     logits, _ = self.model(self.to_device(x))
                 # conversations: summed over the trained targets, then divided by their count over all batches
                 total += lm_loss(logits, self.to_device(y), normalizer=1 if self.chat else None)[1].float()
+                if masked:  # BERT's: how many masked tokens the argmax gets back
+                    right += ((logits.argmax(-1) == self.to_device(y)) & (self.to_device(y) != -1)).sum()
             mean = n_trained if self.chat else c.eval_iters
             result[split] = (world.mean(total) * world.size / mean).item()
+            if masked:
+                result[f"{split}_accuracy"] = (world.mean(right.float()) * world.size / n_trained).item()
             if split == "val" and n_bytes:  # bits per byte: comparable across tokenizers
                 result["val_bpb"] = result["val"] * n_trained / math.log(2) / n_bytes
         if c.log_stability:  # on one val batch: the instabilities' two symptoms
@@ -436,6 +471,25 @@ class Run:
         self.model.train()
         return result
 
+    def evaluate_in_order(self, split, sampler):
+        """{split: mean cross-entropy, split_accuracy: the share of argmax right} over a labelled split's
+        first eval_iters * batch_size examples (every process reads them all: no collective)."""
+        c = self.train_config
+        total = correct = n = 0
+        for x, y, *extra in sampler.ordered(c.batch_size, c.eval_iters * c.batch_size):
+            with self.autocast:
+                logits, _ = self.model(self.to_device(x), **self.inputs(extra))
+            y = self.to_device(y)
+            count = int((y != -1).sum())  # (pairs: the target tokens; classes: the examples)
+            total += float(lm_loss(logits, y)[1]) * count
+            correct += int(((logits.argmax(-1) == y) & (y != -1)).sum())
+            n += count
+        return {split: total / n, f"{split}_accuracy": correct / n}
+
+    def inputs(self, extra, rows=slice(None)):
+        """A batch's keyword inputs (source=, pad_mask=: labelled samplers' third item) on the device."""
+        return {k: self.to_device(v[rows]) for k, v in (extra[0] if extra else {}).items()}
+
     def train_step(self, iter_num, lr, first_bad):
         """One optimizer step over gradient_accumulation_steps micro-batches.
 
@@ -447,7 +501,7 @@ class Run:
             for group in optimizer.param_groups:
                 group["lr"] = lr
         mine = slice(world.rank * micro_steps * c.batch_size, (world.rank + 1) * micro_steps * c.batch_size)
-        x_mine, y_mine = self.train_batches.sample(c.gradient_accumulation_steps * c.batch_size, mine)
+        x_mine, y_mine, *extra = self.train_batches.sample(c.gradient_accumulation_steps * c.batch_size, mine)
         normalizer = None  # conversations: each micro-batch's summed loss over the step's mean count of trained targets
         if self.chat:  # counted on the host, copied without a sync (pinned), summed over the processes
             trained = world.sum(self.to_device((y_mine != -1).sum().to(torch.float32)))
@@ -459,7 +513,8 @@ class Run:
             x, y = self.to_device(x_mine[rows]), self.to_device(y_mine[rows])
             with self.grad_sync(micro == micro_steps - 1):
                 with self.autocast:
-                    _, (loss, ce) = self.model(x, y, with_ce=True, normalizer=normalizer)  # the loss inside the compiled graph
+                    _, (loss, ce) = self.model(x, y, with_ce=True, normalizer=normalizer,  # the loss inside the compiled graph
+                                               **self.inputs(extra, rows))
                 self.scaler.scale(loss / micro_steps).backward()
             loss_sum += loss.detach()
             ce_sum += ce.detach()
@@ -648,11 +703,35 @@ def load_model_for(c, explicit, data_meta, ckpt, notes):
         return model, ckpt["tokenizer"]
     if c.init_from == "scratch":
         vocab_size = c.vocab_size if "vocab_size" in explicit else data_meta["vocab_size"]
-        return GPT(checked(model_config, replace(c, vocab_size=vocab_size))), tokenizer
-    overridden = [k for k in explicit if k in MODEL_KEYS and k != "dropout"]
+        return GPT(checked(model_config, replace(c, vocab_size=vocab_size, **dataset_classes(c, explicit, data_meta)))), tokenizer
+    overridden = [k for k in explicit if k in MODEL_KEYS and k not in ("dropout", "family", *HEAD_KEYS)]
     if overridden:
         raise ConfigError(f"init_from={c.init_from}: the pretrained model fixes {', '.join(overridden)}; "
-                          "drop those keys (only dropout can change)")
+                          f"drop those keys (only dropout, and an encoder's {'/'.join(HEAD_KEYS)}, can change)")
+    model, source = load_pretrained_for(c, explicit, data_meta)
+    if "family" in explicit and c.family != model.config.family:
+        raise ConfigError(f"init_from={c.init_from} is family={model.config.family!r}; family={c.family!r} cannot change")
+    heads = {k: getattr(c, k) for k in HEAD_KEYS if k in explicit} | dataset_classes(c, explicit, data_meta)
+    heads = {k: v for k, v in heads.items() if getattr(model.config, k) != v}
+    if heads:  # an encoder fine-tuned with another head: BERT's masked-token run -> a classifier
+        model = checked(with_head, model, heads)
+        notes.append(f"note: a new head ({', '.join(f'{k}={v!r}' for k, v in heads.items())}), initialised at random; "
+                     f"the blocks and embeddings are {c.init_from}'s")
+    return model, source
+
+
+HEAD_KEYS = ("head", "n_classes", "pooler")  # what an encoder fine-tuned from a run may change
+
+
+def dataset_classes(c, explicit, data_meta):
+    """{"n_classes": the dataset's} for a classifier whose n_classes was not set, else {}."""
+    classes = data_meta["tokenizer"].get("classes") or data_meta.get("labeled", {}).get("classes")
+    return {"n_classes": len(classes)} if classes and "n_classes" not in explicit and c.head == "classify" else {}
+
+
+def load_pretrained_for(c, explicit, data_meta):
+    """A GGUF file's, another run's or a Hugging Face model's weights, checked against the dataset's tokenizer."""
+    tokenizer = data_meta["tokenizer"]
     if c.init_from.endswith(".gguf"):  # llama.cpp's file: its vocabulary must be the dataset's (or its base's)
         model, source, _ = load_any(c.init_from)
         for meta in (tokenizer, base_of(tokenizer)):  # a chat file on chats; a base file on chats gains the tokens

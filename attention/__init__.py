@@ -16,6 +16,8 @@ Attention), never by its letter or class:
                             keys from position 0, or None (no FlexAttention form): layer_mask uses it on GPUs
   keys_per_query(config, seq_len)   how many keys a query meets: FLOPs and MFU (GPT.flops_per_token)
   softmax                   True when it forms softmax weights (probes.py records them through attend)
+  bidirectional             True when mix, given a (B, 1, 1, keys) boolean key mask, lets every query see every
+                            key it allows (an encoder's layers: GPTConfig.family='encoder'); never inherited
   exports_as                what transformers calls this attention, when it is exactly that: "full" (Llama,
                             GPT-2), "window" (Mistral), or None; never inherited (register() sets None on a
                             class that does not declare it), so a subclass that changes the math exports as nothing
@@ -46,13 +48,15 @@ base.py's Attention, over the kind's mix and decode_one):
 
 The files: kernels.py (SDPA, the explicit masked softmax kept as its reference, FlexAttention for windows
 and position biases on GPUs: layer_mask), base.py (Attention, make_norm, StaticRows), and one file per
-family with its chunk math beside its layers: softmax.py (L, S), linear.py (R, D), delta.py (N, M). A new
+family with its chunk math beside its layers: softmax.py (L, S), linear.py (R, D), delta.py (N, M); and
+cross.py, an encoder-decoder's cross-attention (no kind: no cache, no causal mask). A new
 family is one file plus one line in the register loop below; a kind of your own registers from your code.
 """
 
 from dataclasses import replace
 
 from attention.base import Attention, make_norm
+from attention.cross import CrossAttention, key_mask
 from attention.delta import GatedDeltaNet, GatedLinearAttention
 from attention.kernels import KERNELS, attention_scores, layer_mask
 from attention.linear import LinearAttention, RetentionAttention
@@ -62,7 +66,7 @@ __all__ = [  # what the rest of the project takes from here; chunk math and kern
     "Attention", "make_norm", "KERNELS", "attention_scores", "layer_mask", "KINDS", "register", "named",
     "pattern_help", "check_pattern", "letters_exported_as", "kinds_of", "with_pattern", "KVCache",
     "FullAttention", "SlidingWindowAttention", "LinearAttention", "RetentionAttention", "GatedDeltaNet",
-    "GatedLinearAttention",
+    "GatedLinearAttention", "CrossAttention", "key_mask",
 ]  # fmt: skip
 
 
@@ -83,6 +87,8 @@ def register(kind):
         kind.exports_as = None
     if "StaticCache" not in vars(kind):  # and it writes its own compiled decode step
         kind.StaticCache = None
+    if "bidirectional" not in vars(kind):  # and its own two-way form
+        kind.bidirectional = False
     if "mask_mod" not in vars(kind) and "mask" in vars(kind):  # a mask of its own: no FlexAttention form until it writes one
         kind.mask_mod = Attention.mask_mod
     if not (isinstance(letter, str) and len(letter) == 1 and letter.isalpha()):
@@ -158,6 +164,7 @@ class KVCache:
     def __init__(self, layers):
         self.layers = layers
         self._length = 0
+        self.cross = None  # an encoder-decoder's: each layer's cross-attention (keys, values, mask), made once
 
     @property
     def length(self):

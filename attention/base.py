@@ -21,6 +21,7 @@ class Attention(nn.Module):
     description = ""
     config_keys = ()
     softmax = False
+    bidirectional = False
     exports_as = None
     Cache = None
     StaticCache = None

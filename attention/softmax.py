@@ -78,7 +78,7 @@ class FullAttention(Attention):
     """Softmax attention over every earlier key."""
 
     letter, description = "L", "full attention"
-    softmax, exports_as = True, "full"
+    softmax, exports_as, bidirectional = True, "full", True
     Cache, StaticCache = FullKV, StaticKV
     window = None
 

@@ -13,6 +13,11 @@ characters become train, the rest val. --tokenizer is `char` (a vocabulary of th
 package; stored in meta.json and as tokenizer.json) or any tiktoken encoding (gpt2, r50k_base, p50k_base,
 cl100k_base, o200k_base).
 
+Labelled examples: .jsonl files of {"text": ..., "label": ...} (a classifier: an encoder with head=classify)
+or of {"source": ..., "target": ...} (an encoder-decoder) per line, with BERT's [CLS] [SEP] [MASK] [PAD]
+after the base vocabulary; --tokenizer_from=RUN takes an encoder run's tokenizer (a classifier fine-tuned
+from BERT's masked-token run), else --tokenizer as for text. The last val_fraction of the examples are val.
+
 Conversations: .jsonl files of {"messages": [{"role": "system"|"user"|"assistant", "content": ...}, ...]}
 per line (OpenAI's and Hugging Face's shape). They are rendered with the chat template
 (<|role|>content<|end|> per turn, four special tokens after the base vocabulary) and written with a loss
@@ -34,6 +39,7 @@ from checkpoint import run_tokenizer  # noqa: E402
 from configurator import DataError, UserError, fail  # noqa: E402
 from dataset import (fetch_text, hub_offline, hub_reachable, prepare_conversations, prepare_text,
                      read_conversations, summary, tokenizer_for)
+from labeled import is_labeled_file, prepare_labeled, read_labeled  # noqa: E402
 from tokenizer import ChatTokenizer, check_messages
 
 
@@ -80,7 +86,7 @@ def main():
     parser.add_argument("--messages_column", default="messages", help="--hf_dataset's column of conversations")
     parser.add_argument("--out", required=True, help="dataset name (written to data/NAME) or a directory path")
     parser.add_argument("--tokenizer", default="char", help="char, bpe:N (learn N tokens from your text), or a tiktoken encoding such as gpt2")
-    parser.add_argument("--tokenizer_from", help="conversations: the tokenizer of this training run (its out_dir), the base model you will fine-tune")
+    parser.add_argument("--tokenizer_from", help="conversations and labelled examples: the tokenizer of this training run (its out_dir), the model you will fine-tune")
     parser.add_argument("--val_fraction", type=float, default=0.1, help="share of the characters (conversations: of the conversations) kept for val")
     args = parser.parse_args()
     out_dir = args.out if os.sep in args.out else os.path.join(HERE, args.out)
@@ -93,6 +99,8 @@ def main():
             raise DataError("nothing to prepare: give files, folders or globs (or --hf_dataset=NAME for conversations)")
         files, skipped = input_files(args.inputs)
         chats = [f for f in files if f.endswith(".jsonl")]
+        if chats and all(is_labeled_file(f) for f in chats):  # {"text", "label"} or {"source", "target"} per line
+            return prepare_examples(files, chats, args, out_dir)
         if chats:
             return prepare_chats(files, chats, args, out_dir)
         if args.tokenizer_from:
@@ -125,6 +133,28 @@ def hub_conversations(args):
     if args.messages_column not in data.column_names:
         raise DataError(f"{name}: no column {args.messages_column!r} (columns: {data.column_names}); pass --messages_column")
     return [check_messages(m, f"{name}[{i}].{args.messages_column}") for i, m in enumerate(data[args.messages_column])]
+
+
+def prepare_examples(files, chats, args, out_dir):
+    """Labelled texts (a classifier's) or source/target pairs (an encoder-decoder's), with BERT's four
+    special tokens after the base vocabulary (labeled.prepare_labeled)."""
+    if len(chats) != len(files):
+        raise DataError(f"labelled examples (.jsonl) and text cannot go into one dataset: {sorted(set(files) - set(chats))[0]}")
+    read = [read_labeled(f) for f in chats]
+    kinds = {kind for kind, _ in read}
+    if len(kinds) > 1:
+        raise DataError("these files mix texts with labels and source/target pairs: prepare them as two datasets")
+    records = [r for _, part in read for r in part]
+    if args.tokenizer_from:
+        base = run_tokenizer(args.tokenizer_from)
+    else:
+        fields = ("text",) if kinds == {"labels"} else ("source", "target")
+        base = tokenizer_for(args.tokenizer, "\n".join(r[f] for r in records for f in fields), args.val_fraction)
+    meta = prepare_labeled(kinds.pop(), records, base, out_dir, args.val_fraction)
+    labeled = meta["labeled"]
+    what = f"{len(labeled['classes'])} labels ({', '.join(labeled['classes'][:8])})" if "classes" in labeled else "source/target pairs"
+    print(f"{len(chats)} file(s), {len(records):,} examples, {what}, vocabulary of {meta['vocab_size']} (with "
+          f"[CLS] [SEP] [MASK] [PAD]): train has {labeled['examples']['train']:,}, val {labeled['examples']['val']:,} -> {out_dir}")
 
 
 def prepare_chats(files, chats, args, out_dir, conversations=None):

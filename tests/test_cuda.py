@@ -1,8 +1,8 @@
 """The device tier: every user-facing path on a CUDA GPU (train.py with compile, DDP and FSDP2 under torchrun,
 each resumed; stability and head logging; sample.py sampled, greedy and with both drafts; engine.py's continuous batching;
 fine-tuning on conversations (full and LoRA, compiled, resumed) with chat.py and eval.py --chats;
-eval.py; interpret.py; bench.py; a GGUF export sampled), and no host synchronisation inside a training step. Skips, saying why,
-where there is no GPU; ../shared/gpu-check.sh runs it on a lent one. The GPU machine has torch, tiktoken and
+eval.py; interpret.py; bench.py; a GGUF export sampled; the encoder and encoder-decoder families), and no
+host synchronisation inside a training step. Skips, saying why, where there is no GPU; ../shared/gpu-check.sh runs it on a lent one. The GPU machine has torch, tiktoken and
 transformers but no fastapi, datasets or wandb: nothing here needs them."""
 
 import json
@@ -251,3 +251,33 @@ def test_fine_tuning_on_conversations_on_the_gpu_compiled_resumed_then_chat(tmp_
     scored = ok(run_main("eval.py", f"--out_dir={tmp_path / 'whole'}", f"--chats={tmp_path / 'chats.jsonl'}",
                          "--max_new_tokens=8", "--device=cuda"))
     assert "**1.000**" in scored.stdout
+
+
+def test_the_other_families_train_compiled_evaluate_and_decode_on_the_gpu(tmp_path, char_dataset):
+    """An encoder-decoder (compiled, bf16 autocast where the GPU has it) trained on generated pairs, its
+    greedy exact match and sample.py --source on the GPU; BERT's masked tokens then a classifier head; a ViT
+    on random images (labeled.write_images: no scikit-learn on the GPU machine)."""
+    import numpy as np
+
+    from labeled import write_images
+
+    pairs = tmp_path / "numbers"
+    ok(run_script("data/numbers/prepare.py", "--train=400", "--val=20", f"--out={pairs}"))
+    seq2seq = tmp_path / "seq2seq"
+    ok(run_main("train.py", *CUDA, f"--dataset={pairs}", f"--out_dir={seq2seq}", "--family=encoder-decoder",
+                "--n_encoder_layer=1", "--pos_emb=t5", "--norm=rmsnorm", "--bias=False", "--block_size=48",
+                "--max_iters=10", "--compile=True"))
+    assert "exact match" in ok(run_main("eval.py", f"--out_dir={seq2seq}", "--device=cuda")).stdout
+    ok(run_main("sample.py", f"--out_dir={seq2seq}", "--source=123", "--device=cuda", "--num_samples=2", "--max_new_tokens=8"))
+    mlm = tmp_path / "mlm"
+    ok(run_main("train.py", *CUDA, f"--dataset={char_dataset}", f"--out_dir={mlm}", "--family=encoder", "--head=mlm",
+                "--norm_placement=post", "--emb_norm=True", "--max_iters=6"))
+    rng = np.random.default_rng(0)
+    images = {s: (rng.random((n, 3, 8, 8), dtype=np.float32), rng.integers(0, 3, n)) for s, n in (("train", 64), ("val", 16))}
+    write_images(str(tmp_path / "images"), images, ["a", "b", "c"], 1 / 255, "random")
+    vit = tmp_path / "vit"
+    ok(run_main("train.py", *[a for a in CUDA if not a.startswith("--block_size")], f"--dataset={tmp_path / 'images'}",
+                f"--out_dir={vit}", "--family=encoder", "--head=classify", "--image_size=8", "--patch_size=4",
+                "--channels=3", "--block_size=5", "--image_shift=1", "--max_iters=6", "--compile=True"))
+    ok(run_main("eval.py", f"--out_dir={vit}", "--device=cuda", f"--json={tmp_path / 'e.json'}"))
+    assert json.loads((tmp_path / "e.json").read_text())["examples"] == 16

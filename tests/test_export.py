@@ -188,7 +188,8 @@ def test_export_refuses_an_inexpressible_model(tmp_path, capsys, char_dataset):
 
 
 ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM", "arcee": "ArceeForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "arcee": "ArceeForCausalLM", "vit": "ViTForImageClassification",
+                 "t5": "T5ForConditionalGeneration", "bert": ("BertForMaskedLM", "BertForSequenceClassification")}
 
 
 def tiny_of(keys, **more):
@@ -197,9 +198,11 @@ def tiny_of(keys, **more):
     from model import MODEL_KEYS, GPT, GPTConfig
 
     keys = {k: v for k, v in keys.items() if k in MODEL_KEYS} | more
-    shape = {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 32, "vocab_size": VOCAB, "mlp_hidden": None,
-             "dropout": 0.0, "n_kv_head": 2 if keys.get("n_kv_head") else None,
+    shape = {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": keys["block_size"] if keys.get("image_size") else 32,
+             "vocab_size": VOCAB, "mlp_hidden": None, "dropout": 0.0, "n_kv_head": 2 if keys.get("n_kv_head") else None,
              "attn_window": 8 if keys.get("attn_window") else None}
+    if keys.get("head") == "classify" and not keys.get("n_classes"):  # (a fine-tune's: its dataset's)
+        shape["n_classes"] = 3
     torch.manual_seed(0)
     model = GPT(GPTConfig(**keys | shape)).eval()
     with torch.no_grad():
@@ -212,21 +215,38 @@ def tiny_of(keys, **more):
 def test_every_configs_shape_exports_and_matches_transformers(tmp_path, path, idx):
     """Each config in config/ (a tiny model of its shape): export, transformers' own class loads it, logits
     within 1e-4, and it loads back as the same model. The Quick start's ReLU² model is Arcee, the modern
-    recipe's QK-norm + SwiGLU is Qwen3."""
+    recipe's QK-norm + SwiGLU is Qwen3; the other families' configs are BERT, ViT and T5."""
     from configurator import read_config_file
     from hf import family
     from model import GPT
 
-    model = tiny_of(read_config_file(str(path)))
+    keys = read_config_file(str(path))
+    if keys.get("init_from", "scratch") != "scratch":
+        pytest.skip("a fine-tune's shape is its base run's, whose own config is checked here")
+    model = tiny_of(keys)
     kind = family(model.config)
     assert kind is not None, f"{path.name} has no transformers equivalent"
     model.save_pretrained(str(tmp_path / "hf"))
-    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
-    assert type(theirs).__name__ == ARCHITECTURES[kind]
-    assert max_logit_diff(model, theirs, idx) <= 1e-4
-    back = GPT.from_pretrained(str(tmp_path / "hf")).eval()
+    c, inputs = model.config, {"idx": idx}
+    if c.image_size:  # the other families: their Auto class, and what they read
+        inputs = {"idx": torch.randn(2, c.channels, c.image_size, c.image_size), "pixel_values": None}
+    elif c.family == "encoder-decoder":
+        inputs = {"idx": idx[:, :5], "source": idx}
+    auto = {"vit": transformers.AutoModelForImageClassification, "t5": transformers.AutoModelForSeq2SeqLM,
+            "bert": transformers.AutoModelForSequenceClassification if c.head == "classify" else transformers.AutoModelForMaskedLM}
+    theirs = auto.get(kind, transformers.AutoModelForCausalLM).from_pretrained(str(tmp_path / "hf")).eval()
+    assert type(theirs).__name__ in ARCHITECTURES[kind]
+    ours = lambda m: m(inputs["idx"], source=inputs.get("source"))[0] if "source" in inputs else m(inputs["idx"])[0]  # noqa: E731
     with torch.no_grad():
-        assert (model(idx)[0] - back(idx)[0]).abs().max() <= 1e-6
+        if kind in ("vit", "t5", "bert"):
+            theirs_logits = theirs(**({"pixel_values": inputs["idx"]} if c.image_size else
+                                      {"input_ids": idx, "decoder_input_ids": idx[:, :5]} if "source" in inputs else
+                                      {"input_ids": idx})).logits
+            assert (ours(model) - theirs_logits).abs().max() <= 1e-4
+        else:
+            assert max_logit_diff(model, theirs, idx) <= 1e-4
+        back = GPT.from_pretrained(str(tmp_path / "hf")).eval()  # (T5's queries are scaled by sqrt(8) and back)
+        assert (ours(model) - ours(back)).abs().max() <= (1e-5 if kind == "t5" else 1e-6)
 
 
 @pytest.mark.parametrize("keys, change", [

@@ -26,7 +26,7 @@ SCHEMES = ["learned", "rope", "sinusoidal", "alibi", "t5", "none"]
         (dict(n_embd=36, n_head=4, pos_emb="rope"), "needs an even head size"),
         (dict(pos_emb="rotary"), "pos_emb='rotary' is not one of 'learned', 'rope', 'sinusoidal', 'alibi', 't5', 'none'"),
         (dict(norm="batchnorm"), "norm='batchnorm' is not one of 'layernorm', 'rmsnorm'"),
-        (dict(mlp="geglu"), "mlp='geglu' is not one of"),
+        (dict(mlp="reglu"), "mlp='reglu' is not one of"),
         (dict(attn_impl="flash"), "attn_impl='flash' is not one of 'sdpa', 'explicit'"),
         (dict(dropout=1.0), "dropout=1.0 must be in [0, 1)"),
         (dict(z_loss=-1e-4), "z_loss=-0.0001 must be >= 0"),

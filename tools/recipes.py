@@ -1,9 +1,10 @@
 """
 The documented recipes, run as written, each figure compared with the one the documentation states.
 
-  python tools/recipes.py                          # every recipe: about 15 minutes on 2 CPU cores
+  python tools/recipes.py                          # every recipe: about 30 minutes on 2 CPU cores
   python tools/recipes.py chat lora                # some (with the ones they need: chat needs quickstart)
   python tools/recipes.py --input=PATH/input.txt   # offline: Tiny Shakespeare's local copy, as the Quick start's --input
+  python tools/recipes.py authors --input=... --tolstoy=PATH/warpeace.txt   # offline, War and Peace's too
   python tools/recipes.py --work=DIR               # where the copy and its runs go (default: a new temporary folder)
 
 Each recipe's commands run in a copy of this checkout (its tracked files as they are now, uncommitted
@@ -49,6 +50,10 @@ def final_val_loss(out_dir):
     return lambda work: [r for r in metrics(work, out_dir) if "val_loss" in r][-1]["val_loss"]
 
 
+def final_val_accuracy(out_dir):
+    return lambda work: [r for r in metrics(work, out_dir) if "val_accuracy" in r][-1]["val_accuracy"]
+
+
 def val_loss_at(out_dir, step):
     return lambda work: next(r["val_loss"] for r in metrics(work, out_dir) if r.get("iter") == step and "val_loss" in r)
 
@@ -87,6 +92,22 @@ RECIPES = {
         "docs/benchmarks.md", r"\| speedrun: val ≤ 1\.886 \| (\d\.\d+) at", 0.01,
         # its first 400 steps, with the 4000-step schedule's learning rates: the same steps as the whole run's
         extra={1: ["--max_iters=400", "--lr_decay_iters=4000"]}),
+    # the other families (README, "Other families"): 360 held-out digits, 2,000 snippets, 500 numbers
+    "vit": Recipe(
+        ["python data/images/prepare.py digits", "python train.py config/train_vit_digits_cpu.py"],
+        "held-out accuracy", final_val_accuracy("out-vit-digits"), "README.md", r"ViT, \d+ s: (\d\.\d+) held out", 0.02),
+    "mlm": Recipe(
+        ["python data/shakespeare_char/prepare.py", "python train.py config/train_mlm_shakespeare_char_cpu.py"],
+        "masked characters' val loss", final_val_loss("out-mlm-shakespeare"), "README.md",
+        r"BERT's masked characters, \d+ s: val loss (\d\.\d+)", 0.05),
+    "authors": Recipe(
+        ["python data/authors/prepare.py", "python train.py config/finetune_authors_cpu.py"],
+        "held-out accuracy", final_val_accuracy("out-authors"), "README.md", r"a classifier from it: (\d\.\d+)", 0.02,
+        needs=["mlm"]),
+    "seq2seq": Recipe(
+        ["python data/numbers/prepare.py", "python train.py config/train_seq2seq_cpu.py",
+         "python eval.py --out_dir=out-seq2seq --json=seq2seq.json"],
+        "greedy exact match", exact_match("seq2seq.json"), "README.md", r"500 held-out numbers: (\d\.\d+)", 0.01),
 }
 JSON_FLAG = re.compile(r" --json=\S+$")  # what a recipe adds to a documented eval command to read its figure
 
@@ -110,7 +131,7 @@ def copy_checkout(work):
             shutil.copy2(os.path.join(ROOT, path), os.path.join(work, path))
 
 
-def run_recipe(name, recipe, work, source_text):
+def run_recipe(name, recipe, work, source_text, tolstoy=None):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     start = time.perf_counter()
     for i, command in enumerate(recipe.commands):
@@ -118,6 +139,8 @@ def run_recipe(name, recipe, work, source_text):
         args[0] = sys.executable
         if source_text and args[1:2] == ["data/shakespeare_char/prepare.py"]:
             args.append(f"--input={source_text}")  # the Quick start's documented offline form
+        if source_text and args[1:2] == ["data/authors/prepare.py"]:
+            args += [f"--shakespeare={source_text}", *([f"--tolstoy={tolstoy}"] if tolstoy else [])]
         args += recipe.extra.get(i, [])
         log = os.path.join(work, "logs", f"{name}-{i + 1}.log")
         os.makedirs(os.path.dirname(log), exist_ok=True)
@@ -139,6 +162,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipes", nargs="*", help=f"some of {', '.join(RECIPES)} (default: all)")
     parser.add_argument("--input", help="Tiny Shakespeare's text, for a machine without network (the Quick start's --input)")
+    parser.add_argument("--tolstoy", help="War and Peace's text, for the authors recipe on a machine without network")
     parser.add_argument("--work", help="the folder for the copy and its runs (default: a new temporary one, kept)")
     args = parser.parse_args(argv)
     unknown = [r for r in args.recipes if r not in RECIPES]
@@ -168,7 +192,8 @@ def main(argv=None):
             print(line, flush=True)
             lines.append(line)
             continue
-        figure, seconds, error = run_recipe(name, recipe, work, args.input and os.path.abspath(args.input))
+        figure, seconds, error = run_recipe(name, recipe, work, args.input and os.path.abspath(args.input),
+                                            args.tolstoy and os.path.abspath(args.tolstoy))
         if error:
             broken.add(name)
         low, high = stated[name]
