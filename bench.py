@@ -155,6 +155,8 @@ def build_model(c, device, with_tokenizer=False):
     asked), or a random one of the keys' shape (no tokenizer)."""
     if c.out_dir:
         model, tokenizer, _ = load_any(c.out_dir, with_tokenizer)
+        if model.config.family != "decoder":
+            raise ConfigError(f"bench.py times decoders; {c.out_dir} is family={model.config.family!r}")
         return model.to(device), tokenizer
     torch.manual_seed(c.seed)
     return GPT(checked(model_config, c)).to(device), None

@@ -118,6 +118,8 @@ def load_chat(c):
     sampling = checked(Sampling, c.temperature, c.top_k, c.top_p)
     device = pick_device(c.device)
     model, tokenizer, _ = load_for(c)
+    if model.config.family != "decoder":
+        raise ConfigError(f"chat.py talks with a decoder fine-tuned on conversations; this model is family={model.config.family!r}")
     chat_tokenizer(tokenizer)  # a base model: refused before its weights are converted
     model = checked(for_inference, model.to(device=device), c.weights_dtype)
     print(precision_line(c.weights_dtype, device), file=sys.stderr)

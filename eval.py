@@ -181,6 +181,8 @@ def score_examples(c, model, state):
         raise ConfigError(f"init_from={c.init_from} has no training dataset to default to: give --dataset=NAME")
     data_dir = resolve_dataset(name)
     meta, config = read_meta(data_dir), model.config
+    if config.head == "mlm":
+        return score_masked(c, model, name, data_dir, meta)
     if config.image_size:
         check_images(meta["tokenizer"], config, f"dataset {name!r}")
         batches = ImageSampler(data_dir, c.split, 0).ordered(c.batch_size, 1 << 62)
@@ -214,10 +216,51 @@ def score_examples(c, model, state):
     return {"source": f"{name}/{c.split}", "examples": n, "loss": nats / scored, metric: right / n, "dtype": dtype}
 
 
+def score_masked(c, model, name, data_dir, meta):
+    """BERT's objective over a text split: its windows of block_size - 1 tokens in order, each after [CLS],
+    masked as in training (15%: 80/10/10) from a generator seeded 0; the loss and the share of masked
+    tokens the argmax gets back."""
+    from labeled import MaskedTokens
+    from tokenizer import EncoderTokenizer
+
+    tokenizer = EncoderTokenizer.from_meta(meta["tokenizer"])
+    files = open_split(data_dir, c.split, tokenizer.base.vocab_size)
+    tokens = torch.from_numpy(np.concatenate([f.tokens for f in files]).astype(np.int64))
+    T = model.config.block_size - 1
+    windows = tokens[: len(tokens) // T * T].view(-1, T)
+    if not len(windows):
+        raise DataError(f"dataset {name!r}: its {c.split} split holds fewer than block_size - 1 = {T} tokens")
+
+    class InOrder:  # MaskedTokens' windows: the split's, in order, c.batch_size at a time
+        generator, at = torch.Generator().manual_seed(0), 0
+
+        def sample(self, n):
+            self.at += n
+            return windows[self.at - n : self.at], None
+
+    masked, device = MaskedTokens(InOrder(), tokenizer), pick_device(c.device)
+    dtype = pick_dtype(c.dtype, torch.device(device).type)
+    model, context = model.to(device).eval(), autocast(torch.device(device).type, dtype)
+    nats = right = n = 0
+    for start in range(0, len(windows), c.batch_size):
+        x, y = masked.sample(min(c.batch_size, len(windows) - start))
+        with context, torch.no_grad():
+            logits = model(x.to(device))[0].float()
+        y = y.to(device)
+        nats += float(F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-1, reduction="sum"))
+        right += int(((logits.argmax(-1) == y) & (y != -1)).sum())
+        n += int((y != -1).sum())
+    return {"source": f"{name}/{c.split}", "examples": len(windows), "masked_tokens": n, "loss": nats / n,
+            "accuracy": right / n, "dtype": dtype}
+
+
 def evaluate(c):
     """Loss, perplexity and bits per byte of a whole split or text file (a classifier: loss and accuracy)."""
     model, tokenizer, state = load_for(c)
     if model.config.family != "decoder" or model.config.head != "lm":
+        if c.text:
+            raise ConfigError(f"--text scores a decoder's next tokens; this model is family={model.config.family!r}: "
+                              "it is scored on a prepared dataset (--dataset, default its own)")
         return score_examples(c, model, state)
     if state is None and not (c.text or c.dataset):
         raise ConfigError(f"init_from={c.init_from} has no training dataset to default to: give --text=FILE or --dataset=NAME")
@@ -279,6 +322,8 @@ def run_tasks(c):
         raise ConfigError(f"include_path={c.include_path}: not a folder (it should hold task YAML files)")
     harness = import_harness()
     model, tokenizer, _ = load_for(c)
+    if model.config.family != "decoder":
+        raise ConfigError(f"--tasks scores a decoder's next-token log-likelihoods; this model is family={model.config.family!r}")
     device = pick_device(c.device)
     dtype = pick_dtype(c.dtype, torch.device(device).type)
     lm = harness.GPTHarness(model.to(device).eval(), tokenizer, device, c.batch_size,
@@ -376,7 +421,8 @@ def main(argv=None):
             print(result["table"])
         elif "examples" in result:
             metric = "accuracy" if "accuracy" in result else "exact_match"
-            print(f"{result['source']}: {result['examples']:,} examples | loss {result['loss']:.4f} nats, "
+            masked = f" ({result['masked_tokens']:,} masked tokens)" if "masked_tokens" in result else ""
+            print(f"{result['source']}: {result['examples']:,} examples{masked} | loss {result['loss']:.4f} nats, "
                   f"{metric.replace('_', ' ')} {result[metric]:.4f}" + (" (greedy)" if metric == "exact_match" else ""))
         else:
             print(f"{result['source']}: {result['tokens']:,} tokens, {result['bytes']:,} bytes | loss {result['loss']:.4f} "

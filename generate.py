@@ -95,7 +95,7 @@ def check_max_new_tokens(max_new_tokens):
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
 
 
-def next_logits(model, seq, length, cache=None, source=None):
+def next_logits(model, seq, length, cache=None, source=None, pad_mask=None):
     """The logits (B, vocab) of the token after seq[:, :length], through the cache or afresh.
 
     The tokens the cache has not seen yet go through it (the whole prompt first, then one per step),
@@ -103,10 +103,12 @@ def next_logits(model, seq, length, cache=None, source=None):
     afresh. Past block_size every cached key is stale (each depended on tokens that have left the
     window), so both ways compute the same. A model that runs any length (config.context_limit None:
     windows and linear layers, relative positions) never recomputes: the cache takes the new tokens,
-    block_size at a time, and without a cache the whole sequence runs, which computes the same."""
-    block_size = model.config.block_size
-    if source is not None:  # an encoder-decoder without a cache: the whole forward, encoder included, each step
-        return model.forward_cached(seq[:, max(0, length - block_size) : length], source=source)[:, -1]
+    block_size at a time, and without a cache the whole sequence runs, which computes the same. source
+    (pad_mask): an encoder-decoder's, read afresh with the decoder's tokens wherever no cache serves."""
+    block_size, limit = model.config.block_size, model.config.context_limit
+    if source is not None and (cache is None or (limit is not None and length > block_size)):  # afresh, encoder included
+        window = seq[:, :length] if limit is None else seq[:, max(0, length - block_size) : length]
+        return model.forward_cached(window, source=source, pad_mask=pad_mask)[:, -1]
     if model.config.context_limit is None:
         if cache is None:
             return model.forward_cached(seq[:, :length])[:, -1]
@@ -153,16 +155,13 @@ def stream(model, idx, max_new_tokens, sampling=Sampling(), *, eos_token_id=None
     B, T = idx.shape
     seq = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
     seq[:, :T] = idx
-    if source is not None and pad_mask is not None and not use_cache:
-        raise ValueError("pad_mask with use_cache=False: the uncached loop takes sources of one length")
     cache = (model.new_cache(source=source, pad_mask=pad_mask) if source is not None else model.new_cache()) if use_cache else None
-    uncached_source = None if use_cache else source
     finished = torch.zeros(B, 1, dtype=torch.bool, device=idx.device)
     length, end = T, T + max_new_tokens
     while length < end:
         tokens = None if step is None else step(seq, length, end, cache)
         if tokens is None:
-            tokens = sample_next(next_logits(model, seq, length, cache, uncached_source), sampling, generator)
+            tokens = sample_next(next_logits(model, seq, length, cache, source, pad_mask), sampling, generator)
         for token in tokens.split(1, dim=1):
             if eos_token_id is not None:
                 token = token.masked_fill(finished, eos_token_id)

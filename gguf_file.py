@@ -46,6 +46,9 @@ def gguf_package():
 
 def arch_of(config):
     """The llama.cpp architecture (a gguf.MODEL_ARCH name) that computes what config computes, or a GGUFError."""
+    if config.family != "decoder":
+        raise GGUFError(f"this model is family={config.family!r}; the GGUF export writes decoder-only models (llama.cpp's "
+                        "text generation): export it for transformers with --hf_dir")
     try:
         family = hf.hf_family(config)
     except hf.PretrainedError as e:

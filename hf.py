@@ -2,8 +2,9 @@
 Hugging Face interop: GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM), Mistral (MistralForCausalLM:
 Llama with a sliding window in every layer), Qwen3 (Qwen3ForCausalLM: Llama with QK-norm) and Arcee
 (ArceeForCausalLM: Llama with a non-gated ReLU² MLP) weights into our GPT and back, and the tokenizer that
-goes with pretrained weights. GPT.from_pretrained and GPT.save_pretrained call in here; nothing here is
-needed to train or sample a model of our own. This file converts and builds nothing: configs become our
+goes with pretrained weights; BERT, ViT and T5 (the other families) through hf_encoders.py.
+GPT.from_pretrained and GPT.save_pretrained call in here; nothing here is needed to train or sample a
+model of our own. This file converts and builds nothing: configs become our
 GPTConfig keys as a dict, tensors become tensors under our names, and the model comes from the caller (so
 hf.py imports no model, and model.py can import it without a circle).
 """
@@ -52,8 +53,9 @@ def load_pretrained(build, name_or_dir):
 
 
 def save_pretrained(model, directory):
-    """Writes config.json and model.safetensors that transformers' AutoModelForCausalLM loads: a
-    GPT2LMHeadModel for GPT-2-shaped configs, a LlamaForCausalLM for Llama-shaped ones."""
+    """Writes config.json and model.safetensors that transformers' Auto classes load: a GPT2LMHeadModel for
+    GPT-2-shaped configs, a LlamaForCausalLM for Llama-shaped ones, ... (hf_family), BERT, ViT or T5 for
+    the other families."""
     from safetensors.torch import save_file
 
     kind = hf_family(model.config)

@@ -12,6 +12,8 @@ type row, one without ViT's qkv bias loads zeros.
 """
 
 import math
+import os
+import re
 
 import torch
 
@@ -52,8 +54,9 @@ def bert_config(hf, directory):
                               "not supported (absolute only)")
     architecture = (hf.get("architectures") or ["BertForMaskedLM"])[0]
     classify = architecture == "BertForSequenceClassification"
-    if not classify and architecture not in ("BertForMaskedLM", "BertForPreTraining", "BertModel"):
-        raise PretrainedError(f"{directory}: {architecture} is not supported (BertForMaskedLM, BertForSequenceClassification)")
+    if not classify and architecture not in ("BertForMaskedLM", "BertForPreTraining"):  # (BertModel: no head to load)
+        raise PretrainedError(f"{directory}: {architecture} is not supported (BertForMaskedLM, BertForPreTraining's "
+                              "masked-token head, BertForSequenceClassification)")
     return encoder_keys(hf, directory) | dict(
         block_size=hf["max_position_embeddings"], vocab_size=hf["vocab_size"], norm_placement="post", emb_norm=True,
         type_vocab_size=hf.get("type_vocab_size", 2), head="classify" if classify else "mlm",
@@ -117,7 +120,12 @@ def layers_from_ours(state, config, layer, names, qkv):
 
 
 def bert_to_ours(hf_state, config, hf_config=None):
-    s = {k.removeprefix("bert.") if not k.startswith("bert.pooler") else k: v for k, v in hf_state.items()}
+    # old checkpoints name LayerNorm's weight and bias gamma and beta; a masked-token model's file may hold a
+    # pooler and pretraining's next-sentence head, which it does not use (transformers skips them too)
+    unused = ("bert.pooler.", "cls.seq_relationship.") if config.head != "classify" else ()
+    s = {re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", k)): v
+         for k, v in hf_state.items() if not k.startswith(unused)}
+    s = {k.removeprefix("bert.") if not k.startswith("bert.pooler") else k: v for k, v in s.items()}
     state = renamed(s, BERT_TOP, True) | renamed(s, BERT_HEADS, True)
     state |= layers_to_ours(s, config, "encoder.layer.{i}", BERT_LAYER, "attention.self")
     if config.head == "mlm":
@@ -203,7 +211,6 @@ def save_image_processor(meta, directory):
     """preprocessor_config.json (transformers' ViTImageProcessor: resize, then the pixels' scale our images
     were prepared with, no normalisation) and the class names as config.json's labels. Returns a line."""
     import json
-    import os
 
     size = meta["image_size"]
     processor = {"image_processor_type": "ViTImageProcessor", "do_resize": True, "size": {"height": size, "width": size},
@@ -243,17 +250,21 @@ def t5_config(hf, directory):
 
 
 def has_own_head(directory):
-    """Whether a T5 checkpoint holds an lm_head of its own (transformers 5 writes tie_word_embeddings=true
-    for every T5 and keeps a head that differs from the embeddings untied)."""
-    import os
-
+    """Whether a T5 checkpoint holds an lm_head of its own that differs from the embeddings (transformers 5
+    writes tie_word_embeddings=true for every T5 and keeps such a head untied)."""
     path = os.path.join(directory, "model.safetensors")
-    if not os.path.exists(path):
-        return False
-    from safetensors import safe_open
+    if os.path.exists(path):
+        from safetensors import safe_open
 
-    with safe_open(path, "pt") as f:
-        return "lm_head.weight" in f.keys()
+        with safe_open(path, "pt") as f:
+            if "lm_head.weight" not in f.keys():
+                return False
+            return not torch.equal(f.get_tensor("lm_head.weight"), f.get_tensor("shared.weight"))
+    path = os.path.join(directory, "pytorch_model.bin")
+    if os.path.exists(path):
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return "lm_head.weight" in state and not torch.equal(state["lm_head.weight"], state["shared.weight"])
+    return False
 
 
 def t5_scaled(hf):

@@ -187,6 +187,12 @@ def interpret(c):
     config = model.config
     if config.image_size:
         return look_at_images(c, model, state)
+    if c.scores and config.family != "decoder":
+        raise ConfigError("--scores is the induction-head probe of a decoder (causal next-token logits); this model is "
+                          f"family={config.family!r}")
+    if config.family == "encoder-decoder":
+        raise ConfigError("interpret.py draws one stack's self-attention over a prompt; an encoder-decoder's two stacks "
+                          "and its cross-attention are not drawn here")
     if c.scores:
         s = head_scores(model, c.probe_len or None, c.probe_rows, c.seed)
         print(scores_table(s))

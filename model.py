@@ -145,8 +145,8 @@ class GPTConfig(ModelKeys):
         if family == "encoder" and causal:
             raise ValueError(f"GPTConfig.family='encoder' attends both ways; {attention.named(causal)} layers exist "
                              "only causally here: use attn_pattern='L'")
-        if self.type_vocab_size < 0 or (self.type_vocab_size and family != "encoder"):
-            raise ValueError(f"GPTConfig.type_vocab_size={self.type_vocab_size}: token types are an encoder's (BERT)")
+        if self.type_vocab_size < 0 or ((self.type_vocab_size or self.emb_norm) and family != "encoder"):
+            raise ValueError(f"GPTConfig.type_vocab_size={self.type_vocab_size}, emb_norm={self.emb_norm}: an encoder's (BERT)")
         tokens = (self.image_size // max(self.patch_size, 1)) ** 2 + 1  # a ViT's patches and its class token
         if self.image_size and (head != "classify" or self.type_vocab_size or self.patch_size < 1 or self.channels < 1
                                 or self.image_size % self.patch_size):
@@ -200,10 +200,6 @@ def gelu_tanh_as_sigmoid(x):
     return x * torch.sigmoid(math.sqrt(8 / math.pi) * (x + 0.044715 * x * x * x))
 
 
-def relu_squared(x):
-    return F.relu(x).square()
-
-
 class MLP(nn.Module):
     def __init__(self, config, activation):
         super().__init__()
@@ -235,7 +231,7 @@ MLPS = {  # name: (module, activation); BERT's masked-token head uses the same a
     "gelu": (MLP, gelu_tanh),
     "gelu_exact": (MLP, F.gelu),  # the erf GELU: BERT's and ViT's
     "relu": (MLP, F.relu),  # the 2017 transformer's and T5 v1.0's
-    "relu2": (MLP, relu_squared),
+    "relu2": (MLP, lambda x: F.relu(x).square()),  # ReLU² (So et al. 2021, Primer)
     "swiglu": (GLU, F.silu),
     "geglu": (GLU, gelu_tanh),  # T5 v1.1 (its gated-gelu gates with the tanh GELU)
     "none": (None, F.gelu),  # attention-only blocks, the toy models of Elhage et al. (2021) and Olsson et al. (2022)
@@ -405,14 +401,15 @@ class GPT(nn.Module):
                              "sinusoidal positions can")
         rope = {k: v for k, v in (("rope_scaling", rope_scaling), ("rope_factor", rope_factor)) if v is not None}
         self.config = replace(c, block_size=block_size, trained_block_size=c.trained_block_size or c.block_size, **rope)
-        tensors = [*self.positions.parameters(), *self.positions.buffers()]  # in for_inference's dtype, if any
-        like = tensors[0] if tensors else self.tok_emb.weight
-        positions = POSITIONS[c.pos_emb](self.config).to(device=like.device, dtype=like.dtype)
-        state = self.positions.state_dict()
-        if c.pos_emb == "learned":
-            state["wpe.weight"] = state["wpe.weight"][:block_size]
-        positions.load_state_dict(state)
-        self.positions = positions
+        for owner in [self] + ([self.encoder] if self.encoder is not None else []):  # (an encoder-decoder: two tables)
+            tensors = [*owner.positions.parameters(), *owner.positions.buffers()]  # in for_inference's dtype, if any
+            like = tensors[0] if tensors else self.tok_emb.weight
+            positions = POSITIONS[c.pos_emb](self.config).to(device=like.device, dtype=like.dtype)
+            state = owner.positions.state_dict()
+            if c.pos_emb == "learned":
+                state["wpe.weight"] = state["wpe.weight"][:block_size]
+            positions.load_state_dict(state)
+            owner.positions = positions
         return self
 
     def add_tokens(self, base_vocab, ids):
@@ -437,23 +434,18 @@ class GPT(nn.Module):
     def get_num_params(self, non_embedding=False):
         """Unique parameters (a tied head counts once); non_embedding drops the lookups (position table, and
         the token table when the head is untied)."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            if isinstance(self.positions, LearnedPositions):
-                n -= self.positions.wpe.weight.numel()
-            if not self.config.tie_embeddings:
-                n -= self.tok_emb.weight.numel()
-        return n
+        learned = self.positions.wpe.weight.numel() if isinstance(self.positions, LearnedPositions) else 0
+        untied = 0 if self.config.tie_embeddings or self.tok_emb is None else self.tok_emb.weight.numel()
+        return sum(p.numel() for p in self.parameters()) - (learned + untied if non_embedding else 0)
 
     def forward(self, idx, targets=None, kv_cache=None, with_ce=False, normalizer=None, *, source=None, pad_mask=None,
                 token_types=None):
         """idx (B, T) -> (logits (B, T, vocab), loss or None): the training and evaluation forward.
 
         With kv_cache, idx continues the cached sequence at position kv_cache.length. with_ce: lm_loss's
-        (loss, cross_entropy), the loss inside the compiled forward (nanoGPT's way). normalizer: lm_loss's.
-        A ViT's idx is pixels (B, channels, H, W); head=classify gives (B, n_classes), targets (B,); source
-        (B, S): an encoder-decoder's encoder input; pad_mask (B, T or S): True on the encoder input's real
-        tokens; token_types (B, T): BERT's segments."""
+        (loss, cross_entropy), inside the compiled forward. A ViT's idx: pixels (B, C, H, W); classify: (B,
+        n_classes), targets (B,); source (B, S): an encoder-decoder's encoder input; pad_mask (B, T or S): True
+        on the encoder input's real tokens; token_types (B, T): BERT's segments. normalizer: lm_loss's."""
         x = self.hidden_states(idx, kv_cache, source=source, pad_mask=pad_mask, token_types=token_types)
         logits = self.head_logits(x)
         if targets is None:
@@ -472,7 +464,7 @@ class GPT(nn.Module):
 
     def hidden_states(self, idx, kv_cache=None, *, source=None, pad_mask=None, token_types=None):
         c = self.config
-        self.check_inputs(idx, source, kv_cache)
+        self.check_inputs(idx, source, kv_cache, pad_mask, token_types)
         if c.family == "encoder":
             return self.norm_f(bidirectional(self.blocks, self.positions, self.embed(idx, token_types), pad_mask))
         B, T = idx.shape
@@ -490,7 +482,7 @@ class GPT(nn.Module):
             kv_cache.advance(T)
         return self.norm_f(x)
 
-    def check_inputs(self, idx, source, kv_cache):
+    def check_inputs(self, idx, source, kv_cache, pad_mask=None, token_types=None):
         """One line for an input this model's family does not take."""
         c, got = self.config, lambda: f"got a {str(idx.dtype).removeprefix('torch.')} tensor of shape {tuple(idx.shape)}"
         if c.image_size and (idx.shape[1:] != (c.channels, c.image_size, c.image_size) or not idx.is_floating_point()):
@@ -503,6 +495,11 @@ class GPT(nn.Module):
             raise ValueError("an encoder-decoder model needs source=(batch, tokens), the encoder's input ids")
         if c.family == "encoder" and kv_cache is not None:
             raise ValueError("an encoder reads its whole input at once: it takes no KV cache")
+        encoded = idx if c.family == "encoder" else source  # what a pad_mask (and token_types) must match
+        if (pad_mask is not None and (encoded is None or pad_mask.shape != encoded.shape[:2])) or (
+                token_types is not None and (not c.type_vocab_size or token_types.shape != idx.shape)):
+            raise ValueError(f"pad_mask is (B, T) of an encoder's input or an encoder-decoder's source, token_types (B, T) with "
+                             f"type_vocab_size > 0 ({c.type_vocab_size}); got {getattr(pad_mask, 'shape', None)}, {getattr(token_types, 'shape', None)}")
 
     def embed(self, idx, token_types=None):
         """An encoder's input states: tokens (with their types) or a class token and an image's patches."""
@@ -607,12 +604,12 @@ class GPT(nn.Module):
         if self.config.family != "decoder":
             raise ValueError(f"GPT.{path} runs decoder-only models; family={self.config.family!r} decodes through forward_cached")
 
-    def forward_cached(self, idx, cache=None, last=1, source=None):
+    def forward_cached(self, idx, cache=None, last=1, source=None, pad_mask=None):
         """The one way through the cache: idx (B, T) continuing what it holds -> its last `last` logits.
 
         Without a cache: a whole sequence; the cache grows by T. A prefill, a decode step, a draft's check
-        and its own. source: an encoder-decoder's source ids, when the cache has none."""
-        x = self.hidden_states(idx, cache) if source is None else self.hidden_states(idx, cache, source=source)
+        and its own. source (pad_mask): an encoder-decoder's source ids, when the cache has none."""
+        x = self.hidden_states(idx, cache) if source is None else self.hidden_states(idx, cache, source=source, pad_mask=pad_mask)
         return self.lm_head(x[:, -last:])
 
     # Sampling and the decode loop live in generate.py; these keep the names nanoGPT users type.

@@ -143,7 +143,8 @@ def sampling_fields(body):
 
 
 def check_context(prompts, config):
-    limit = config.context_limit  # past it, generation slides (Engine.step); a prompt must fit in it
+    # past it, generation slides (Engine.step); a prompt must fit in it (an encoder-decoder's source: its encoder)
+    limit = config.block_size if config.family == "encoder-decoder" else config.context_limit
     longest = max(map(len, prompts))
     if limit is not None and longest > limit:
         raise BadRequest(f"this model's context is {limit} tokens and the prompt has {longest}: shorten it",

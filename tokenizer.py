@@ -355,6 +355,9 @@ class EncoderTokenizer(SpecialTokens):
     TOKENS = ENCODER_TOKENS
 
     def __init__(self, base):
+        if isinstance(base, ChatTokenizer):
+            raise DataError("a chat model's tokenizer cannot take BERT's tokens too: an encoder starts from a base "
+                            "tokenizer (prepare from a base run, or with --tokenizer)")
         super().__init__(base)
         self.eot_token = self.end_token = self.special["[SEP]"]
 

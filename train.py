@@ -321,6 +321,9 @@ class Run:
         self.notes = []
         model, self.lora = build_model(c, explicit, self.data_meta, ckpt, self.notes)
         self.model_config = config = model.config
+        if config.family != "decoder" and (c.log_stability or c.log_heads or c.lora_rank):
+            raise ConfigError(f"log_stability, log_heads and lora_rank are a decoder's (their probes and adapters read "
+                              f"causal text); this model is family={config.family!r}")
         if self.data_meta["vocab_size"] > config.vocab_size:
             raise DataError(f"dataset {c.dataset!r} has a vocabulary of {self.data_meta['vocab_size']}, more than "
                             f"the model's vocab_size={config.vocab_size}")

@@ -255,8 +255,8 @@ def test_fine_tuning_on_conversations_on_the_gpu_compiled_resumed_then_chat(tmp_
 
 def test_the_other_families_train_compiled_evaluate_and_decode_on_the_gpu(tmp_path, char_dataset):
     """An encoder-decoder (compiled, bf16 autocast where the GPU has it) trained on generated pairs, its
-    greedy exact match and sample.py --source on the GPU; BERT's masked tokens then a classifier head; a ViT
-    on random images (labeled.write_images: no scikit-learn on the GPU machine)."""
+    greedy exact match and sample.py --source on the GPU; BERT's masked tokens and eval.py's score of them;
+    a ViT on random images (labeled.write_images: no scikit-learn on the GPU machine)."""
     import numpy as np
 
     from labeled import write_images
@@ -272,6 +272,7 @@ def test_the_other_families_train_compiled_evaluate_and_decode_on_the_gpu(tmp_pa
     mlm = tmp_path / "mlm"
     ok(run_main("train.py", *CUDA, f"--dataset={char_dataset}", f"--out_dir={mlm}", "--family=encoder", "--head=mlm",
                 "--norm_placement=post", "--emb_norm=True", "--max_iters=6"))
+    assert "masked tokens" in ok(run_main("eval.py", f"--out_dir={mlm}", "--device=cuda")).stdout
     rng = np.random.default_rng(0)
     images = {s: (rng.random((n, 3, 8, 8), dtype=np.float32), rng.integers(0, 3, n)) for s, n in (("train", 64), ("val", 16))}
     write_images(str(tmp_path / "images"), images, ["a", "b", "c"], 1 / 255, "random")

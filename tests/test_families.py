@@ -165,11 +165,48 @@ def test_each_family_refuses_what_it_does_not_take_in_one_line():
         (lambda: GPTConfig(family="encoder", head="classify", n_classes=10, image_size=8, patch_size=2, channels=1),
          "set block_size=17"),
         (lambda: vit.new_cache(), "generates nothing"),
+        (lambda: GPTConfig(emb_norm=True), "emb_norm=True: an encoder's"),
+        (lambda: seq2seq(ids, source=ids, pad_mask=torch.ones(1, 5, dtype=torch.bool)), "pad_mask is .B, T. of an encoder's"),
+        (lambda: text(ids, token_types=ids), "token_types .B, T. with type_vocab_size > 0"),
     ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message) as error:
             call()
         assert "\n" not in str(error.value)
+
+
+def test_an_encoder_decoder_decodes_past_its_context_and_from_padded_sources_as_its_uncached_loop():
+    """Past block_size the decoder's window runs afresh with the source (its cache is stale there), and a
+    batch of sources of different lengths (pad_mask) decodes each row as that source alone does."""
+    import generate
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=8, vocab_size=20, n_layer=2, n_head=2, n_embd=16, family="encoder-decoder",
+                          n_encoder_layer=1, pos_emb="t5", norm="rmsnorm", bias=False)).eval()
+    source = torch.randint(1, 20, (2, 7))
+    pad = torch.ones(2, 7, dtype=torch.bool)
+    pad[1, 4:] = False
+    start, greedy = torch.zeros(2, 1, dtype=torch.long), generate.Sampling(temperature=0)
+    cached = generate.generate(model, start, 14, greedy, source=source, pad_mask=pad)  # 15 tokens: past block_size 8
+    assert torch.equal(cached, generate.generate(model, start, 14, greedy, source=source, pad_mask=pad, use_cache=False))
+    alone = generate.generate(model, start[1:], 14, greedy, source=source[1:, :4])
+    assert torch.equal(cached[1:], alone)
+
+
+def test_a_bert_pretraining_checkpoint_loads_its_masked_token_head(tmp_path):
+    """bert-base-uncased's kind of file: BertForPreTraining, with a pooler and a next-sentence head that a
+    masked-token model does not use (skipped), and LayerNorm weights named gamma and beta (old files)."""
+    from safetensors.torch import load_file, save_file
+
+    theirs = hf_random(transformers.BertForPreTraining, bert_config(num_hidden_layers=2))
+    theirs.save_pretrained(tmp_path)
+    state = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+             for k, v in load_file(tmp_path / "model.safetensors").items()}
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ours = GPT.from_pretrained(str(tmp_path)).eval()
+    assert ours.config.head == "mlm" and not hasattr(ours, "pooler")  # (its pooler and next-sentence head skipped)
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(6))
+    torch.testing.assert_close(ours(idx)[0], theirs(input_ids=idx).prediction_logits, rtol=0, atol=ATOL)
 
 
 def test_decoder_only_models_keep_their_parameters_and_init():
@@ -303,6 +340,8 @@ def test_an_encoder_decoder_trains_on_pairs_then_eval_and_sample_decode_from_a_s
         # (use_cache=False: transformers 5.25's generate sizes its cache by the encoder's depth, and this decoder is deeper)
         out_ids = theirs.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, use_cache=False)[0, 1:]
     assert tokenizer.decode(out_ids, skip_special_tokens=True).replace(" ", "") == first.strip().replace(" ", "")
+    result = run_main("export.py", f"--out_dir={out}", f"--gguf={tmp_path / 'x.gguf'}")
+    assert result.returncode == 2 and "GGUF export writes decoder-only models" in result.stderr
     result = run_main("sample.py", f"--init_from={tmp_path / 'hf'}", "--source=40213", "--num_samples=1",
                       "--temperature=0", "--max_new_tokens=10")
     assert result.returncode == 0 and result.stdout.split("---------------\n")[0] == first, result.stderr
@@ -350,6 +389,13 @@ def test_a_masked_lm_run_fine_tunes_into_a_classifier_of_labelled_text(tmp_path,
     tuned = tmp_path / "tuned"
     train.main([*STEPS, f"--dataset={tmp_path / 'tone'}", f"--out_dir={tuned}", f"--init_from={mlm}", "--head=classify",
                 "--pooler=True", "--max_iters=4", "--eval_iters=4"])
+    result = run_main("eval.py", f"--out_dir={mlm}", f"--json={tmp_path / 'mlm.json'}")  # BERT's objective over val, in order
+    assert result.returncode == 0 and "masked tokens" in result.stdout, result.stderr
+    scored = json.loads((tmp_path / "mlm.json").read_text())
+    assert scored["masked_tokens"] > 0 and 0 <= scored["accuracy"] <= 1
+    for script, message in (("sample.py", "it fills masks or classifies"), ("chat.py", "this model is family='encoder'")):
+        result = run_main(script, f"--out_dir={mlm}")
+        assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1, result.stderr
     result = run_main("export.py", f"--out_dir={mlm}", f"--hf_dir={tmp_path / 'bert'}")  # a BertForMaskedLM and its tokenizer
     assert result.returncode == 0 and "BERT's 4 tokens" in result.stdout, result.stderr
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "bert")
