@@ -460,3 +460,21 @@ def test_serve_answers_an_encoder_decoder_from_its_source_through_the_openai_cli
         assert status == 400 and "'echo'" in body["error"]["message"]
     finally:
         server.stop()
+
+
+def test_the_authors_task_draws_held_out_snippets_from_each_texts_last_tenth(tmp_path):
+    """data/authors/prepare.py: snippets labelled by their text, War and Peace in Shakespeare's characters,
+    val snippets only from the last 10% of each (what shakespeare_char's masked-token run never saw)."""
+    shakespeare = make_text(20_000, seed=1)
+    tolstoy = "".join(ch.upper() if i % 7 else "é" for i, ch in enumerate(make_text(20_000, seed=2)))  # é: not Shakespeare's
+    (tmp_path / "s.txt").write_text(shakespeare)
+    (tmp_path / "t.txt").write_text(tolstoy)
+    result = run_main("data/authors/prepare.py", f"--shakespeare={tmp_path / 's.txt'}", f"--tolstoy={tmp_path / 't.txt'}",
+                      "--train=40", "--val=10", f"--out={tmp_path / 'out'}")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (tmp_path / "out" / "authors.jsonl").read_text().splitlines()]
+    assert len(records) == 50 and {r["label"] for r in records} == {"shakespeare", "tolstoy"}
+    tolstoy_known = "".join(ch for ch in tolstoy if ch in set(shakespeare))  # the script keeps these
+    for r in records[-10:]:  # val: the last ten, each from its text's last tenth
+        text = shakespeare if r["label"] == "shakespeare" else tolstoy_known
+        assert r["text"] in text[int(len(text) * 0.9):] and "é" not in r["text"]
