@@ -5,6 +5,7 @@ Measures training and sampling speed, optionally side by side with Hugging Face 
   python bench.py sample ...                                   prefill and decode tokens/s, ms/token by context
   python bench.py all ...                                      both
   python bench.py train --compare=hf --threads=1               ours and transformers', interleaved
+  python bench.py sample --compare=llama.cpp --weights_dtype=int8   ours and llama.cpp's llama-bench on the GGUF
   python bench.py --help
 
 The model is a random one of the shape the keys give (every GPTConfig field is a key), or a trained one
@@ -14,8 +15,12 @@ both alike; ratios are medians of the per-round ratios.
 """
 
 import copy
+import json
+import os
 import resource
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,6 +37,7 @@ from checkpoint import load_any
 from configurator import ConfigError, checked, cli_main, keys_of, parse_config
 from dataset import write_json
 from generate import Sampling
+from gguf_file import write_gguf
 from model import MODEL_CHOICES, GPT, ModelKeys, lm_loss, model_config, model_helps
 from optim import OPTIMIZERS, build_optimizers
 from quantize import (ROW_PRODUCTS, WEIGHTS_DTYPES, Int8Linear, RowLinear, for_inference, row_product_choices, runs_here,
@@ -55,7 +61,7 @@ class BenchConfig(ModelKeys):  # and every model key (model.ModelKeys)
     prompt_len: int = 512  # sampling: prompt tokens (prefill)
     new_tokens: int = 200  # sampling: generated tokens (greedy)
     contexts: str = "10,100,1000"  # sampling: decode ms per token at these context lengths
-    compare: str = ""  # hf: also the same model in transformers; float32 (train): ours without autocast; adamw (train): ours with AdamW; row_products (sample, CPU): each one-row product; compiled (sample): also the static-cache compiled decode step
+    compare: str = ""  # hf: also the same model in transformers; llama.cpp (sample): llama-bench on the same weights as GGUF; float32 (train): ours without autocast; adamw (train): ours with AdamW; row_products (sample, CPU): each one-row product; compiled (sample): also the static-cache compiled decode step
     compare_patterns: str = ""  # train: also these attn_patterns of the same shape, interleaved (e.g. L,R,SL; S layers take attn_window)
     hf_dtype: str = "float32"  # transformers' dtype for --compare=hf (its weights and compute)
     draft: str = ""  # sampling: speculative decoding with ngram (prompt lookup) or a draft model's out_dir; "" = off
@@ -66,7 +72,7 @@ class BenchConfig(ModelKeys):  # and every model key (model.ModelKeys)
 
 
 BENCH_CHOICES = {"dtype": COMPUTE_DTYPES, "device": DEVICES,
-           "weights_dtype": WEIGHTS_DTYPES, "compare": ("", "hf", "float32", "adamw", "row_products", "compiled"), "optimizer": tuple(OPTIMIZERS),
+           "weights_dtype": WEIGHTS_DTYPES, "compare": ("", "hf", "llama.cpp", "float32", "adamw", "row_products", "compiled"), "optimizer": tuple(OPTIMIZERS),
            "hf_dtype": ("float32", "bfloat16"), **MODEL_CHOICES}  # fmt: skip
 GREEDY = Sampling(temperature=0)
 
@@ -320,6 +326,7 @@ def bench_sample(model, tokenizer, c, device):
     if c.compare in ("float32", "adamw"):
         raise ConfigError(f"compare={c.compare} is for training; sampling compares with compare=hf, row_products or compiled")
     twin = hf_twin(model.eval(), c.hf_dtype).eval() if c.compare == "hf" else None  # from fp32 weights
+    llama = llama_bench_runner(model, tokenizer, c, device) if c.compare == "llama.cpp" else None  # (fp32 weights too)
     model = checked(for_inference, model, c.weights_dtype)
     P, N = c.prompt_len, c.new_tokens
     if config.context_limit is not None and P + N > config.block_size:
@@ -362,11 +369,14 @@ def bench_sample(model, tokenizer, c, device):
             return seconds(run, device)
         return time_it
 
+    contenders = {name: timed(name, run) for name, run in runs.items()}
+    if llama is not None:  # llama-bench's own time for N tokens from an empty context, one call per round
+        contenders["llama.cpp"] = llama
     with torch.no_grad():
-        for name, run in runs.items():
+        for name, run in contenders.items():
             for _ in range(c.warmup):
-                timed(name, run)()
-        times = interleave({name: timed(name, run) for name, run in runs.items()}, c.rounds)
+                run()
+        times = interleave(contenders, c.rounds)
     if c.compare == "row_products":
         use_row_product(model, chosen)  # back in place for the timings by context below
     prefill, total = statistics.median(times["prefill"]), statistics.median(times["ours"])
@@ -389,10 +399,57 @@ def bench_sample(model, tokenizer, c, device):
         compiled = statistics.median(times["compiled"])
         result.update(compiled_compile_seconds=compile_seconds, compiled_generate_tokens_per_sec=N / compiled,
                       compiled_decode_tokens_per_sec=N / (compiled - prefill), compiled_vs_eager=median_ratio(times, "ours", "compiled"))
+    if "llama.cpp" in times:  # per round: our decode (generate less its prefill) against llama-bench's tokens
+        ours = [(t - p) / N for t, p in zip(times["ours"], times["prefill"])]
+        theirs = [t / N for t in times["llama.cpp"]]
+        llama_tps = 1 / statistics.median(theirs)
+        result.update(llama_cpp_decode_tokens_per_sec=llama_tps, llama_cpp_gguf_type=GGUF_TYPES[c.weights_dtype],
+                      ours_vs_llama_cpp=statistics.median(b / a for a, b in zip(ours, theirs)),
+                      llama_cpp_fraction_of_roofline=llama_tps / (bandwidth / weight_bytes))
     if "hf" in times:
         result.update(hf_generate_tokens_per_sec=N / statistics.median(times["hf"]), hf_dtype=c.hf_dtype,
                       speedup_vs_hf=median_ratio(times, "hf", "ours"))
     return result
+
+
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "q8_0"}  # our weights -> llama.cpp's
+
+
+def llama_bench_binary():
+    """llama.cpp's llama-bench: on PATH, in LLAMA_CPP_DIR (or its build/bin), or ../shared/build-llamacpp.sh's
+    build (LLAMA_DIR, default ~/.cache/llama.cpp-build); a ConfigError saying how to get it."""
+    roots = [os.environ.get("LLAMA_CPP_DIR"), os.path.join(os.path.expanduser(os.environ.get("LLAMA_DIR", "~/.cache/llama.cpp-build")), "src")]
+    candidates = [shutil.which("llama-bench")] + [os.path.join(root, *sub, "llama-bench") for root in roots if root
+                                                  for sub in ((), ("bin",), ("build", "bin"))]
+    found = next((p for p in candidates if p and os.path.isfile(p) and os.access(p, os.X_OK)), None)
+    if found is None:
+        raise ConfigError("--compare=llama.cpp needs llama.cpp's llama-bench: put it on PATH or set LLAMA_CPP_DIR to a "
+                          "llama.cpp checkout built with cmake (../shared/build-llamacpp.sh builds one here)")
+    return found
+
+
+def llama_bench_runner(model, tokenizer, c, device):
+    """fn() -> llama-bench's seconds for new_tokens tokens generated from an empty context (its tg test, one
+    repetition), on our weights written as GGUF in the type matching weights_dtype, with our thread count."""
+    if torch.device(device).type != "cpu":
+        raise ConfigError("--compare=llama.cpp times llama.cpp on the CPU: run it with --device=cpu")
+    if c.weights_dtype not in GGUF_TYPES:
+        raise ConfigError(f"--compare=llama.cpp: weights_dtype={c.weights_dtype!r} has no GGUF twin; use one of {', '.join(GGUF_TYPES)}")
+    binary = llama_bench_binary()
+    meta = tokenizer.meta() if tokenizer is not None else {"kind": "tiktoken", "encoding": "gpt2"}  # a random model: GPT-2's
+    path = os.path.join(tempfile.mkdtemp(prefix="bench-gguf-"), "model.gguf")
+    write_gguf(model.float().cpu(), meta, path, GGUF_TYPES[c.weights_dtype])
+    threads = c.threads or torch.get_num_threads()
+    command = [binary, "-m", path, "-p", "0", "-n", str(c.new_tokens), "-t", str(threads), "-r", "1", "-o", "json"]
+
+    def run():
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ConfigError(f"llama-bench exited {done.returncode}: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+        test = next(t for t in json.loads(done.stdout) if t.get("n_gen") == c.new_tokens)
+        return c.new_tokens / test["avg_ts"]
+
+    return run
 
 
 def make_prompt(c, config, tokenizer, device):
@@ -522,7 +579,7 @@ def run_benchmarks(argv):
     if what in ("train", "all"):
         results["train"] = bench_train(build_model(c, device)[0], c, device, dtype)
     if what in ("sample", "all"):
-        model, tokenizer = build_model(c, device, with_tokenizer=bool(c.prompt_file or c.draft))
+        model, tokenizer = build_model(c, device, with_tokenizer=bool(c.prompt_file or c.draft or c.compare == "llama.cpp"))
         results["sample"] = bench_sample(model, tokenizer, c, device)
     results["machine"]["row_products"] = row_product_choices() or "none chosen (no CPU inference)"
     report(results)

@@ -173,3 +173,30 @@ def test_bench_json_is_written_atomically(tmp_path, monkeypatch):
                     "--batch_size=2", "--rounds=1", "--steps=1", "--warmup=0", "--device=cpu", "--dtype=float32",
                     f"--json={path}"])
     assert path.read_text() == '{"previous": true}' and os.listdir(tmp_path) == ["bench.json"]
+
+
+def test_compare_llama_cpp_interleaves_llama_bench_on_the_gguf_and_reports_the_ratio(tmp_path, trained_run, monkeypatch,
+                                                                                    capsys):
+    """--compare=llama.cpp: without llama-bench, one line and exit 2; with one (here a stand-in that checks it
+    was given a GGUF file, -p 0 and -n new_tokens, and reports 50 tokens/s), its figure and the median ratio."""
+    import sys
+
+    args = ["sample", f"--out_dir={trained_run}", "--compare=llama.cpp", "--prompt_len=1", "--new_tokens=8",
+            "--rounds=5", "--warmup=0", "--contexts=10", "--device=cpu"]
+    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
+    monkeypatch.setenv("LLAMA_DIR", str(tmp_path / "none"))
+    monkeypatch.delenv("LLAMA_CPP_DIR", raising=False)
+    with pytest.raises(SystemExit) as exit:
+        bench.main(args)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and "needs llama.cpp's llama-bench" in err and err.count("\n") == 1
+    fake = tmp_path / "bin" / "llama-bench"
+    fake.parent.mkdir()
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\na = sys.argv\n"
+                    "assert open(a[a.index('-m') + 1], 'rb').read(4) == b'GGUF' and a[a.index('-p') + 1] == '0'\n"
+                    "print(json.dumps([{'n_prompt': 0, 'n_gen': int(a[a.index('-n') + 1]), 'avg_ts': 50.0}]))\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("LLAMA_CPP_DIR", str(tmp_path / "bin"))
+    r = bench.main(args)["sample"]
+    assert r["llama_cpp_decode_tokens_per_sec"] == pytest.approx(50.0) and r["llama_cpp_gguf_type"] == "f32"
+    assert r["ours_vs_llama_cpp"] == pytest.approx(r["decode_tokens_per_sec"] / 50.0, rel=0.5)  # per-round medians
