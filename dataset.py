@@ -326,8 +326,9 @@ def split_text(text, val_fraction):
     return text[:cut], text[cut:]
 
 
-def fetch_text(path, url, cache_path):
-    """The corpus text: from path when given; else from cache_path, downloading url there first."""
+def fetch_text(path, url, cache_path, flag="--input"):
+    """The corpus text: from path when given; else from cache_path, downloading url there first (flag: the
+    script's option for a local copy, named when the download fails)."""
     import urllib.request
 
     if path is None:
@@ -337,7 +338,7 @@ def fetch_text(path, url, cache_path):
             try:
                 urllib.request.urlretrieve(url, path + ".part")
             except OSError as e:
-                raise DataError(f"download of {url} failed ({e}); without network, pass --input PATH to a "
+                raise DataError(f"download of {url} failed ({e}); without network, pass {flag} PATH to a "
                                 "local copy") from None
             os.replace(path + ".part", path)
     try:

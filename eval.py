@@ -31,6 +31,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, replace
+from types import SimpleNamespace
 from typing import Optional
 
 import numpy as np
@@ -231,19 +232,13 @@ def score_masked(c, model, name, data_dir, meta):
     if not len(windows):
         raise DataError(f"dataset {name!r}: its {c.split} split holds fewer than block_size - 1 = {T} tokens")
 
-    class InOrder:  # MaskedTokens' windows: the split's, in order, c.batch_size at a time
-        generator, at = torch.Generator().manual_seed(0), 0
-
-        def sample(self, n):
-            self.at += n
-            return windows[self.at - n : self.at], None
-
-    masked, device = MaskedTokens(InOrder(), tokenizer), pick_device(c.device)
+    masked = MaskedTokens(SimpleNamespace(generator=torch.Generator().manual_seed(0)), tokenizer)  # windows given below
+    device = pick_device(c.device)
     dtype = pick_dtype(c.dtype, torch.device(device).type)
     model, context = model.to(device).eval(), autocast(torch.device(device).type, dtype)
     nats = right = n = 0
     for start in range(0, len(windows), c.batch_size):
-        x, y = masked.sample(min(c.batch_size, len(windows) - start))
+        x, y = masked.mask(windows[start : start + c.batch_size])
         with context, torch.no_grad():
             logits = model(x.to(device))[0].float()
         y = y.to(device)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from configurator import DataError
-from dataset import atomic_write, write_json
+from dataset import atomic_write, read_meta, write_json
 from tokenizer import EncoderTokenizer, encoder_tokenizer, source_ids
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
@@ -156,11 +156,6 @@ def check_images(meta, config, where):
                         f"channels={have[0]}, image_size={have[1]}, n_classes={have[2]}")
 
 
-def read_image_meta(data_dir):
-    with open(os.path.join(data_dir, "meta.json")) as f:
-        return json.load(f)["tokenizer"]
-
-
 # ----------------------------------------------------------------------------------------------------
 # Texts with labels and source/target pairs: data/prepare.py FILE.jsonl of {"text", "label"} or
 # {"source", "target"} per line. Ids framed by the encoder tokenizer's specials (tokenizer.EncoderTokenizer):
@@ -277,8 +272,7 @@ class LabeledSampler:
     {"source", "pad_mask"}): the forward's keyword inputs ride in the third item."""
 
     def __init__(self, data_dir, split, seed, block_size):
-        with open(os.path.join(data_dir, "meta.json")) as f:
-            meta = json.load(f)
+        meta = read_meta(data_dir)
         self.kind, self.block_size = labeled_kind(meta), block_size
         self.tok = EncoderTokenizer.from_meta(meta["tokenizer"])
         if self.kind == "labels":
@@ -346,14 +340,19 @@ class MaskedTokens:
 
     def sample(self, n, rows=slice(None)):
         x, _ = self.windows.sample(n)  # all n drawn (and masked) in every process: the stream stays the same
-        T, g = x.size(1), self.generator
+        x, y = self.mask(x)
+        return x[rows].contiguous(), y[rows].contiguous()
+
+    def mask(self, x):
+        """Windows x (n, T) -> ([CLS] and x masked, targets), the choices drawn from the generator."""
+        n, T, g = x.size(0), x.size(1), self.generator
         chosen = torch.rand(n, T, generator=g) < self.rate
         how = torch.rand(n, T, generator=g)
         random_ids = torch.randint(self.tok.base.vocab_size, (n, T), generator=g)
         y = torch.where(chosen, x, -1)
         x = torch.where(chosen & (how < 0.8), self.tok.special["[MASK]"], torch.where(chosen & (how >= 0.9), random_ids, x))
         cls = torch.full((n, 1), self.tok.special["[CLS]"])
-        return torch.cat([cls, x], 1)[rows].contiguous(), torch.cat([torch.full((n, 1), -1), y], 1)[rows].contiguous()
+        return torch.cat([cls, x], 1), torch.cat([torch.full((n, 1), -1), y], 1)
 
     def state_dict(self):
         return self.windows.state_dict()

@@ -23,7 +23,7 @@ from configurator import ConfigError, DataError, checked, command_line, keys_of,
 from device import DEVICES, pick_device
 from generate import Sampling, check_max_new_tokens
 from quantize import WEIGHTS_DTYPES, for_inference, precision_line
-from tokenizer import EOT, continuation, decoder_start, source_ids
+from tokenizer import EOT, continuation, decoder_start, source_end, source_ids
 
 
 @dataclass
@@ -138,7 +138,7 @@ def seq2seq_texts(model, tokenizer, source, c, device):
     src = torch.tensor([ids] * c.num_samples, dtype=torch.long, device=device)
     idx = torch.full((c.num_samples, 1), decoder_start(tokenizer), dtype=torch.long, device=device)
     generators = [torch.Generator(device=device).manual_seed(c.seed + i) for i in range(c.num_samples)]
-    end = source_ids(tokenizer, "")[-1]
+    end = source_end(tokenizer)
     new = min(c.max_new_tokens, model.config.block_size - 1)  # the decoder's context: its start and `new` tokens
     log_precision(replace(c, max_new_tokens=new), device, [0], model.config)
     out = generate.generate(model, idx, new, sampling_of(c), eos_token_id=end, generator=generators, source=src)

@@ -37,7 +37,7 @@ from device import DEVICES, pick_device
 from engine import Engine, Job, QueueFull
 from generate import Sampling
 from quantize import BATCH_OVERRIDE, WEIGHTS_DTYPES, for_inference, precision_line
-from tokenizer import ChatTokenizer, chat_tokenizer, check_messages, decoder_start, source_ids
+from tokenizer import ChatTokenizer, chat_tokenizer, check_messages, decoder_start, source_end
 
 MAX_BODY_BYTES = 1 << 20  # a request larger than 1 MB is refused (413) before it is parsed
 MAX_LOGPROBS = 20
@@ -158,7 +158,7 @@ def parse_request(body, tokenizer, config, max_tokens_limit):
         raise BadRequest("the body must be a JSON object")
     prompts = prompts_of(body, tokenizer, config.vocab_size)
     if config.family == "encoder-decoder":  # a prompt is a source text: closed by its end token, as sample.py's
-        end = source_ids(tokenizer, "")[-1]
+        end = source_end(tokenizer)
         prompts = [p if p[-1] == end else [*p, end] for p in prompts]
     s = dict(
         max_tokens=field(body, "max_tokens", (int,), min(16, max_tokens_limit), lambda v: 0 <= v <= max_tokens_limit,

@@ -373,12 +373,17 @@ class EncoderTokenizer(SpecialTokens):
         return [self.special["[CLS]"], *self.encode(text), self.special["[SEP]"]]
 
 
-def source_ids(tokenizer, text):
-    """An encoder-decoder's source: the text's ids, then its end ([SEP] here; T5's </s>, its eos)."""
+def source_end(tokenizer):
+    """Where an encoder-decoder's source and output end: [SEP] here; T5's </s>, its eos."""
     end = tokenizer.end_token if isinstance(tokenizer, EncoderTokenizer) else tokenizer.eot_token
     if end is None:
         raise DataError(f"{describe_tokenizer(tokenizer)} has no end token to close an encoder-decoder's source")
-    return [*tokenizer.encode(text), end]
+    return end
+
+
+def source_ids(tokenizer, text):
+    """An encoder-decoder's source: the text's ids, then its end."""
+    return [*tokenizer.encode(text), source_end(tokenizer)]
 
 
 def decoder_start(tokenizer):

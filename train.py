@@ -450,10 +450,11 @@ class Run:
                     continue
                 with self.autocast:
                     logits, _ = self.model(self.to_device(x))
+                y = self.to_device(y)
                 # conversations: summed over the trained targets, then divided by their count over all batches
-                total += lm_loss(logits, self.to_device(y), normalizer=1 if self.chat else None)[1].float()
+                total += lm_loss(logits, y, normalizer=1 if self.chat else None)[1].float()
                 if masked:  # BERT's: how many masked tokens the argmax gets back
-                    right += ((logits.argmax(-1) == self.to_device(y)) & (self.to_device(y) != -1)).sum()
+                    right += ((logits.argmax(-1) == y) & (y != -1)).sum()
             mean = n_trained if self.chat else c.eval_iters
             result[split] = (world.mean(total) * world.size / mean).item()
             if masked:

@@ -29,14 +29,6 @@ TOLSTOY = ("https://raw.githubusercontent.com/MrHereward/machine_learning_sandbo
            "2d0fdf30f4afbcf01c1b8c7b408e738a0161d613/warpeace_input.txt")
 
 
-def text_of(path, url, cache, flag):
-    """fetch_text's, with this script's flag named where it says how to give a local copy."""
-    try:
-        return fetch_text(path, url, cache)
-    except DataError as e:
-        raise DataError(str(e).replace("--input PATH", f"{flag}=PATH")) from None
-
-
 def snippets(text, n, length, rng):
     return [text[i : i + length] for i in (rng.randrange(len(text) - length) for _ in range(n))]
 
@@ -53,10 +45,10 @@ def main(argv):
     args = parser.parse_args(argv)
     if args.length < 1 or args.train < 2 or args.val < 2:
         raise DataError(f"--length={args.length} must be >= 1, --train={args.train} and --val={args.val} >= 2")
-    shakespeare = text_of(args.shakespeare, SHAKESPEARE, os.path.join(HERE, "shakespeare.txt"), "--shakespeare")
+    shakespeare = fetch_text(args.shakespeare, SHAKESPEARE, os.path.join(HERE, "shakespeare.txt"), "--shakespeare")
     tokenizer = char_tokenizer_for(shakespeare)  # shakespeare_char's vocabulary
     known = set(tokenizer.chars)
-    tolstoy = "".join(ch for ch in text_of(args.tolstoy, TOLSTOY, os.path.join(HERE, "warpeace.txt"), "--tolstoy") if ch in known)
+    tolstoy = "".join(ch for ch in fetch_text(args.tolstoy, TOLSTOY, os.path.join(HERE, "warpeace.txt"), "--tolstoy") if ch in known)
     rng = random.Random(args.seed)
     splits = {}
     for split, n in (("train", args.train), ("val", args.val)):
