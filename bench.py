@@ -40,8 +40,8 @@ from generate import Sampling
 from gguf_file import write_gguf
 from model import MODEL_CHOICES, GPT, ModelKeys, lm_loss, model_config, model_helps
 from optim import OPTIMIZERS, build_optimizers
-from quantize import (ROW_PRODUCTS, WEIGHTS_DTYPES, Int8Linear, RowLinear, for_inference, row_product_choices, runs_here,
-                      shape_key, use_row_product)
+from quantize import (ROW_PRODUCTS, WEIGHTS_DTYPES, Int8Linear, RowLinear, for_inference, kernel_status, row_product_choices,
+                      runs_here, shape_key, use_row_product)
 from device import COMPUTE_DTYPES, DEVICES, autocast, cpu_facts, cuda_peak_flops, estimate_mfu, pick_device, pick_dtype, precision
 
 
@@ -52,7 +52,7 @@ class BenchConfig(ModelKeys):  # and every model key (model.ModelKeys)
     dtype: str = "auto"  # training autocast: auto | float32 | bfloat16 | float16 (auto as in train.py)
     weights_dtype: str = "float32"  # sampling: float32 | bfloat16 | float16 | int8 (CPU; quantised weights)
     device: str = "auto"  # auto | cpu | cuda | mps
-    compile: bool = False  # torch.compile our training step's model (compile time reported apart)
+    compile: bool = False  # train: torch.compile our training step's model (compile time reported apart); sample: decode as sample.py --compile=True does
     optimizer: str = "adamw"  # training step's optimizer: adamw | muon (as train.py builds them)
     threads: int = 0  # torch.set_num_threads; 0 = PyTorch's default
     rounds: int = 5  # interleaved rounds per measurement (at least 5 for --compare)
@@ -335,9 +335,15 @@ def bench_sample(model, tokenizer, c, device):
     prompt = make_prompt(c, config, tokenizer, device)
     if c.draft:
         return bench_speculative(model, twin, tokenizer, prompt, c, device)
+    step_line = None
+    if c.compile:  # as sample.py --compile=True decodes: the compiled step where it measures faster here
+        chosen, step_line = checked(generate.faster_static_step, model, prompt, N, GREEDY)
+        print(step_line, file=sys.stderr)
+    fresh_step = (lambda: None) if not c.compile or chosen is None else (
+        lambda: generate.StaticDecode(model, GREEDY, max_len=chosen.max_len))
     runs = {
         "prefill": lambda: generate.next_logits(model, prompt, P, model.new_cache()),
-        "ours": lambda: generate.generate(model, prompt, N, GREEDY),
+        "ours": lambda: generate.generate(model, prompt, N, GREEDY, step=fresh_step()),
     }
     setups = {}  # name -> what runs before each of its timed runs, outside the time
     if c.compare == "row_products":
@@ -391,6 +397,8 @@ def bench_sample(model, tokenizer, c, device):
         "fraction_of_roofline": (1 / decode_per_token) / (bandwidth / weight_bytes),
         **decode_by_context(model, c, device), **peak_memory(device),
     }  # fmt: skip
+    if step_line is not None:
+        result["decode_step"] = step_line.split(": ", 1)[1]
     if c.compare == "row_products":
         result.update(row_product={f"{n}x{k}": name for (_, n, k), name in chosen.items()},
                       generate_tokens_per_sec_by_row_product={n: N / statistics.median(times[f"ours_{n}"]) for n in products},
@@ -582,6 +590,8 @@ def run_benchmarks(argv):
         model, tokenizer = build_model(c, device, with_tokenizer=bool(c.prompt_file or c.draft or c.compare == "llama.cpp"))
         results["sample"] = bench_sample(model, tokenizer, c, device)
     results["machine"]["row_products"] = row_product_choices() or "none chosen (no CPU inference)"
+    if torch.device(device).type == "cpu" and what in ("sample", "all"):
+        results["machine"]["one_row_kernel"] = kernel_status()
     report(results)
     if c.json:
         write_json(c.json, {"config": asdict(c), "results": results})

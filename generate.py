@@ -10,6 +10,8 @@ generator per row if asked. speculative.py plugs its drafts into stream() as a s
 several tokens.
 """
 
+import os
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -182,10 +184,39 @@ def stream(model, idx, max_new_tokens, sampling=Sampling(), *, eos_token_id=None
 
 
 STATIC_BACKEND = "inductor"  # torch.compile's backend for the step (tests trace it with "eager": no C++ to build)
+_compiled = weakref.WeakKeyDictionary()  # model -> (its structure, its compiled step)
+CPP_WRAPPER = os.environ.get("SMALLGPT_CPP_WRAPPER", "1") == "1"
 
 
 def decode_one_token(model, tokens, pos, caches, noise, sampling):
     return pick(model.decode_static(tokens, pos, caches), sampling, noise)
+
+
+def structure(model):
+    """What a compiled step was traced for.
+
+    Each module's type and each tensor's name, shape, dtype, layout and memory: in-place changes of values
+    keep it; quantising, relaying or moving the weights do not."""
+    return (tuple(type(m).__name__ for m in model.modules()),
+            tuple((name, t.shape, t.dtype, t.stride(), t.data_ptr()) for name, t in
+                  [*model.named_parameters(), *model.named_buffers()]))
+
+
+def compiled_step(model, device_type):
+    """decode_one_token compiled for this model, once per model and structure.
+
+    Its own cache of compiled entries (isolate_recompiles) lets its guards skip the modules' attributes,
+    which cost 0.8 ms a token for 12 layers on a CPU, since this compile only ever sees this model as it is
+    now (structure)."""
+    key = structure(model)
+    if model not in _compiled or _compiled[model][0] != key:
+        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        if STATIC_BACKEND == "inductor":
+            # CUDA graphs on a GPU (mode="reduce-overhead"); on a CPU, a C++ wrapper calls the kernels, not Python
+            options.update({"triton.cudagraphs": True} if device_type == "cuda" else {"cpp_wrapper": CPP_WRAPPER})
+        _compiled[model] = key, torch.compile(decode_one_token, fullgraph=True, dynamic=False, backend=STATIC_BACKEND,
+                                              options=options, isolate_recompiles=True)
+    return _compiled[model][1]
 
 
 def without_static_step(model):
@@ -209,12 +240,10 @@ class StaticDecode:
     loop (the same sampler, the noise drawn the same way), up to the rounding of attention over a padded
     cache."""
 
-    def __init__(self, model, sampling, generator=None, compile=True):
+    def __init__(self, model, sampling, generator=None, compile=True, max_len=None):
         check_static(model)
-        self.model, self.sampling, self.generator = model, sampling, generator
-        mode = "reduce-overhead" if next(model.parameters()).device.type == "cuda" else None
-        self.run = (torch.compile(decode_one_token, fullgraph=True, dynamic=False, mode=mode, backend=STATIC_BACKEND)
-                    if compile else decode_one_token)
+        self.model, self.sampling, self.generator, self.max_len = model, sampling, generator, max_len
+        self.run = compiled_step(model, next(model.parameters()).device.type) if compile else decode_one_token
         self.caches = None
 
     def __call__(self, seq, length, end, cache):
@@ -226,7 +255,7 @@ class StaticDecode:
             # one-token prompt's cache is still empty at its first step, though length - 1 is 0 there too)
             if cache.length == 0 or cache.length != length - 1:
                 return None
-            max_len = min(self.model.config.block_size, end)
+            max_len = self.max_len or min(self.model.config.block_size, end)
             self.caches = [block.attn.static_cache(layer, cache.length, max_len)
                            for block, layer in zip(self.model.blocks, cache.layers)]
             if seq.device.type == "cuda":  # CUDA graphs replay on fixed addresses: the caches are updated in place
@@ -238,3 +267,38 @@ class StaticDecode:
         noise = None if self.sampling.temperature == 0 else race_noise((B, self.model.config.vocab_size), seq.device, self.generator)
         # a copy: a CUDA graph's output is overwritten by its next replay, and stream() hands tokens out
         return self.run(self.model, seq[:, length - 1 : length], pos, self.caches, noise, self.sampling).clone()
+
+
+MEASURED_TOKENS, MEASURED_ROUNDS = 8, 3  # faster_static_step: tokens each way decodes per round, interleaved rounds
+
+
+def faster_static_step(model, idx, max_new_tokens, sampling):
+    """(StaticDecode or None, a line for stderr): the compiled step where it decodes faster than eager here.
+
+    The compiled static-cache step is slower than the eager loop on some CPUs (docs/benchmarks.md). Both
+    decode MEASURED_TOKENS tokens after idx (the run's own rows, sampling and cache size, so that the run
+    reuses what was compiled), MEASURED_ROUNDS rounds interleaved after one that compiles; medians decide."""
+    import time
+
+    check_static(model)
+    max_len = min(model.config.block_size, idx.size(1) + max_new_tokens)
+    n = max(1, min(MEASURED_TOKENS, max_len - idx.size(1)))
+    ways = {"compiled": lambda: StaticDecode(model, sampling, max_len=max_len), "eager": lambda: None}
+    times = {name: [] for name in ways}
+    start = time.perf_counter()
+    for r in range(MEASURED_ROUNDS + 1):
+        for name, step in ways.items():
+            begin = time.perf_counter()
+            generate(model, idx, n, sampling, step=step(), generator=torch.Generator(idx.device).manual_seed(0))
+            if idx.device.type == "cuda":
+                torch.cuda.synchronize()
+            if r:
+                times[name].append(time.perf_counter() - begin)
+            elif name == "compiled":
+                compile_seconds = time.perf_counter() - start
+    compiled, eager = (sorted(t)[len(t) // 2] for t in (times["compiled"], times["eager"]))
+    faster = compiled < eager
+    line = (f"compile: the compiled step decodes {'faster' if faster else 'slower'} than eager here "
+            f"({eager / compiled:.2f}x eager's speed over {n} tokens, compiled in {compile_seconds:.1f} s): "
+            f"{'using it' if faster else 'decoding eager'}")
+    return (StaticDecode(model, sampling, max_len=max_len) if faster else None), line

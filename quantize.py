@@ -4,7 +4,11 @@ entry point sample.py and bench.py use. Decoding one token reads every weight on
 bytes per weight and the bandwidth of the kernel that reads them.
 """
 
+import ctypes
+import hashlib
 import os
+import platform
+import sys
 import time
 
 import torch
@@ -13,6 +17,139 @@ import torch.nn.functional as F
 
 from configurator import ConfigError
 from device import precision
+
+
+# ----------------------------------------------------------------------------------------------------
+# rowdot.cpp: our one-row kernel (float32, bfloat16, int8 in Q8_0 blocks), built here on first use with the
+# compiler torch.compile uses too, once per CPU (-march=native), and kept under torch's extension cache. Where
+# it cannot be built (no compiler, another OS) everything runs on torch's own kernels: the same products, slower.
+
+KERNEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rowdot.cpp")
+KERNEL_OFF = "SMALLGPT_KERNEL"  # =0: never build or use rowdot.cpp (torch's kernels only)
+_kernel = {}  # "op": torch.ops.smallgpt.rowdot or None, "why": the reason it is None
+
+
+def cpu_identity():
+    """What -march=native compiles for: the CPU's model and flags (Linux), else the platform and torch's ISA."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(dict.fromkeys(lines))
+    except OSError:
+        return f"{platform.machine()} {platform.processor()} {torch.backends.cpu.get_cpu_capability()}"
+
+
+def rowdot_kernel():
+    """torch.ops.smallgpt.rowdot, built on first use, or None where it cannot be (kernel_status() says why)."""
+    if "op" not in _kernel:
+        _kernel["op"], _kernel["why"] = None, ""
+        if os.environ.get(KERNEL_OFF, "1") == "0":
+            _kernel["why"] = f"{KERNEL_OFF}=0"
+        elif not sys.platform.startswith("linux"):
+            _kernel["why"] = "built on Linux only"
+        else:
+            try:
+                _kernel["op"] = build_kernel()
+            except Exception as e:  # no compiler, headers, ninja: torch's kernels instead, said once
+                lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+                reason = next((line for line in lines if any(w in line for w in ("error:", "not found", "required"))),
+                              lines[0].split(":")[0])  # the compiler's own words, else torch's first
+                _kernel["why"] = f"could not be built: {reason[:200]}"
+                print(f"note: rowdot.cpp {_kernel['why']} (a C++ compiler and ninja build it); decoding on a CPU "
+                      "uses torch's slower kernels", file=sys.stderr)
+    return _kernel["op"]
+
+
+def kernel_status():
+    """'rowdot.cpp' when our kernel runs here, else why not (bench.py's machine lines)."""
+    return "rowdot.cpp (built for this CPU)" if rowdot_kernel() is not None else f"torch's ({_kernel['why']})"
+
+
+def build_kernel():
+    from torch.utils.cpp_extension import load
+
+    flags = ["-O3", "-march=native", "-fopenmp"]
+    with open(KERNEL_SOURCE, "rb") as f:
+        source = f.read()
+    digest = hashlib.sha256(source + cpu_identity().encode() + " ".join(flags).encode() + torch.__version__.encode())
+    name = f"smallgpt_rowdot_{digest.hexdigest()[:12]}"  # another CPU, source or torch: another build
+    load(name=name, sources=[KERNEL_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
+    op = torch.ops.smallgpt.rowdot
+    torch.library.register_fake("smallgpt::rowdot", lambda x, weight, scale, bias: x.new_empty(x.size(0), weight.size(0)))
+    return op
+
+
+def reference_rowdot(x, weight, scale=None, bias=None):
+    """What rowdot.cpp computes, in torch: x (M, K) times weight (N, K) in float32, returned in x's dtype. For
+    int8 weights (scale: their blocks'), x is quantised in blocks of 32 too, each block's dot product is an
+    exact integer, and the row is their sum times both blocks' scales (llama.cpp's Q8_0 x Q8_0)."""
+    bias = None if bias is None else bias.float()
+    if scale is None:
+        return F.linear(x.float(), weight.float(), bias).to(x.dtype)
+    qx, sx = quantize_blocks(x, half_scales=False)
+    (M, K), N = x.shape, weight.size(0)
+    wb = F.pad(weight.float(), (0, -K % BLOCK)).view(N, -1, BLOCK).transpose(0, 1)  # (blocks, N, 32)
+    xb = F.pad(qx.float(), (0, -K % BLOCK)).view(M, -1, BLOCK).transpose(0, 1)  # (blocks, M, 32)
+    dots = torch.bmm(xb, wb.transpose(1, 2))  # (blocks, M, N): integers below 2^24, exact in float32
+    y = (dots * sx.t()[:, :, None] * scale.float().t()[:, None, :]).sum(0)
+    return (y if bias is None else y + bias).to(x.dtype)
+
+
+def rowdot_op():
+    """rowdot.cpp's op, or a RuntimeError (which measuring reads as "cannot run here")."""
+    op = rowdot_kernel()
+    if op is None:
+        raise RuntimeError(f"rowdot.cpp does not run here: {_kernel['why']}")
+    return op
+
+
+def rowdot(x, weight, scale=None, bias=None):
+    """rowdot.cpp's product where it runs here, else reference_rowdot (the same numbers up to summation order)."""
+    op = rowdot_kernel()
+    return (op or reference_rowdot)(x, weight, scale, bias)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Huge pages: a decode step reads every weight once, and with 4 KiB pages the TLB misses on every page of
+# them; 2 MiB pages read the same weights up to 1.4x faster on a Xeon whose cache holds them
+# (docs/benchmarks.md). Linux gives them to memory advised MADV_HUGEPAGE before it is touched.
+
+HUGE = 2 << 20
+MADV_HUGEPAGE = 14
+
+
+def in_huge_pages(t):
+    """A copy of t in memory advised for 2 MiB pages (Linux; t itself elsewhere, or when it is small)."""
+    nbytes = t.numel() * t.element_size()
+    if not sys.platform.startswith("linux") or nbytes < 2 * HUGE or t.device.type != "cpu":
+        return t
+    raw = torch.empty(nbytes + HUGE, dtype=torch.uint8)  # untouched: pages are chosen when first written
+    offset = -raw.data_ptr() % HUGE
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(raw.data_ptr() + offset), ctypes.c_size_t(nbytes - nbytes % HUGE), MADV_HUGEPAGE)
+    except (OSError, AttributeError):
+        return t
+    out = raw[offset : offset + nbytes].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def weights_in_huge_pages(model):
+    """Every large parameter and buffer of the model moved into huge pages, in place (tied weights stay tied)."""
+    done = {}
+    for module in model.modules():
+        for name, t in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+            if t is None:
+                continue
+            if id(t) not in done:  # a weight laid out transposed (TRANSPOSED products) keeps its layout
+                transposed = t.dim() == 2 and not t.is_contiguous() and t.t().is_contiguous()
+                done[id(t)] = in_huge_pages(t.detach().t()).t() if transposed else in_huge_pages(t.detach().contiguous())
+            if isinstance(t, nn.Parameter):
+                t.data = done[id(t)]
+            else:
+                setattr(module, name, done[id(t)])
+    return model
 
 
 def onednn_linear(row, weight, bias):
@@ -51,6 +188,7 @@ ROW_PRODUCTS = {
     "onednn": onednn_linear,
     "linear_t": F.linear,
     "bags": bags_linear,
+    "rowdot": lambda row, weight, bias: rowdot_op()(row, weight, None, bias),
 }
 TRANSPOSED = {"linear_t", "bags"}  # products that read weights stored transposed (weight.t() contiguous); the others, as stored
 ROW_OVERRIDE = "SMALLGPT_ROW_PRODUCT"
@@ -275,7 +413,10 @@ class RowLinear(nn.Linear):
     packed = None
 
     def forward(self, x):
-        if torch.compiler.is_compiling():  # a compiled graph picks its own kernels (inductor cannot lower oneDNN's op)
+        if torch.compiler.is_compiling():  # a compiled graph picks its own kernels (inductor cannot lower oneDNN's op),
+            if x.numel() == x.size(-1) and self.weight.is_contiguous() and rowdot_kernel() is not None:
+                # but calls ours for one row (an op with a fake): faster than inductor's extern mm here
+                return rowdot_kernel()(x.reshape(1, -1), self.weight, None, self.bias).view(*x.shape[:-1], -1)
             return F.linear(x, self.weight, self.bias)
         if x.numel() != x.size(-1):
             if self.packed is not None:
@@ -285,32 +426,56 @@ class RowLinear(nn.Linear):
         return y.view(*x.shape[:-1], -1)
 
 
+BLOCK = 32  # int8 weights per scale (llama.cpp's Q8_0)
+
+
+def quantize_blocks(weight, half_scales=True):
+    """(int8 (N, K), float16 scales (N, ceil(K / 32))): each row in blocks of 32 weights, one scale per block,
+    as llama.cpp's Q8_0 makes them (gguf's quantize, bit for bit: the scale amax / 127 kept in float16, each
+    weight rounded half away from zero); a last, partial block takes the scale of its own weights.
+    half_scales=False keeps them in float32 (how rowdot.cpp quantises activations)."""
+    w = weight.detach().float()
+    N, K = w.shape
+    blocks = F.pad(w, (0, -K % BLOCK)).view(N, -1, BLOCK)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+    v = blocks * torch.where(d == 0, 0.0, 1 / d)
+    a = v.abs()
+    q = v.sign() * (a.floor() + (2 * (a - a.floor())).floor())  # gguf's np_roundf
+    scale = d[..., 0].half() if half_scales else d[..., 0]
+    return q.clamp(-127, 127).to(torch.int8).view(N, -1)[:, :K].contiguous(), scale
+
+
+def dequantize_blocks(q, scale):
+    """The float32 weights that int8 blocks and their scales stand for."""
+    N, K = q.shape
+    return (F.pad(q.float(), (0, -K % BLOCK)).view(N, -1, BLOCK) * scale.float()[..., None]).view(N, -1)[:, :K]
+
+
 class Int8Linear(nn.Module):
-    """A Linear for inference with its weight stored as int8 and one bf16 scale per output row
-    (symmetric, per-channel, weight-only quantisation: each weight is off by at most half a step,
-    max|row|/254, plus the scale's bf16 rounding). Activations run in bf16; the result comes back in
-    the input's dtype."""
+    """A Linear for inference with its weight stored as int8 in blocks of 32 along each row, one scale per
+    block (quantize_blocks: llama.cpp's Q8_0, so each weight is off by at most half its block's step plus the
+    scale's float16 rounding). Up to DECODE_ROWS rows go through rowdot.cpp, which reads the int8 weights and
+    multiplies them with float32 activations (or torch's same product over dequantised weights where it
+    cannot run); more rows (a prefill) through a bf16 matmul over the dequantised weights. The result comes
+    back in the input's dtype."""
 
     DECODE_ROWS = 16  # up to this many rows, the int8 kernel; above (a prefill), a dequantised bf16 matmul
 
     def __init__(self, linear):
         super().__init__()
-        weight = linear.weight.detach().float()
-        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127
-        self.register_buffer("weight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(torch.bfloat16))
-        bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
-        self.register_buffer("bias", bias)
+        weight, scale = quantize_blocks(linear.weight)
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
 
     def forward(self, x):
-        rows = x.reshape(-1, x.size(-1)).to(torch.bfloat16)
+        rows = x.reshape(-1, x.size(-1))
         if rows.size(0) <= self.DECODE_ROWS:
-            y = torch.ops.aten._weight_int8pack_mm(rows, self.weight, self.scale)
-        else:  # the int8 kernel is several times slower than AMX bf16 on hundreds of rows
-            y = F.linear(rows, self.weight.to(torch.bfloat16) * self.scale[:, None])
-        if self.bias is not None:
-            y = y + self.bias
-        return y.to(x.dtype).view(*x.shape[:-1], -1)
+            y = rowdot(rows.float(), self.weight, self.scale, self.bias)
+        else:  # the one-row kernel is several times slower than AMX bf16 on hundreds of rows
+            weight = dequantize_blocks(self.weight, self.scale).to(torch.bfloat16)
+            y = F.linear(rows.to(torch.bfloat16), weight, None if self.bias is None else self.bias.to(torch.bfloat16))
+        return y.to(x.dtype).view(*x.shape[:-1], self.weight.size(0))
 
 
 def replace_linears(model, make):
@@ -365,7 +530,7 @@ def for_inference(model, weights_dtype, batch_rows=0):
     keeps such a copy (batch_products)."""
     weights_dtype = inference_weights(weights_dtype, next(model.parameters()).device.type)
     if weights_dtype == "int8":
-        return quantize_int8(model)
+        return weights_in_huge_pages(quantize_int8(model))
     model.eval().to(dtype=getattr(torch, weights_dtype))
     if next(model.parameters()).device.type == "cpu":
         products = row_products(linear_weights(model, nn.Linear))
@@ -380,6 +545,7 @@ def for_inference(model, weights_dtype, batch_rows=0):
                     except RUN_ERRORS as e:  # only where SMALLGPT_BATCH_PRODUCT forced it: measuring skips it
                         raise ConfigError(f"{BATCH_OVERRIDE}=onednn_packed: oneDNN cannot pack {m.weight.dtype} "
                                           f"weights on this CPU ({str(e).splitlines()[0]}); unset it") from None
+        weights_in_huge_pages(model)
     return model
 
 

@@ -127,7 +127,9 @@ def test_bytes_per_token_count_what_a_decode_step_reads():
     norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
     fp32 = 4 * (sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0) for m in linears) + norms)
     assert bench.bytes_read_per_token(model) == fp32  # embeddings: a step looks up one row
-    int8 = sum(m.weight.numel() + 2 * m.out_features * (2 if m.bias is not None else 1) for m in linears) + 4 * norms
+    blocks = lambda m: -(-m.in_features // 32)  # noqa: E731  (Q8_0: a float16 scale per 32 weights of a row)
+    int8 = sum(m.weight.numel() + 2 * m.out_features * blocks(m) + (4 * m.out_features if m.bias is not None else 0)
+               for m in linears) + 4 * norms
     results = bench.main(["sample", *SHAPE, "--rounds=1", "--warmup=0", "--prompt_len=8", "--new_tokens=4",
                           "--contexts=4", "--weights_dtype=bfloat16"])
     assert results["sample"]["weight_bytes"] == fp32 // 2

@@ -59,7 +59,7 @@ def test_row_products_are_measured_once_per_shape_and_can_be_set(monkeypatch):
     assert quantize.row_products(linears) == {(torch.float16, 64, 32): "mv"}  # decided once per process and shape
     monkeypatch.setattr(quantize, "_chosen", {})
     monkeypatch.setenv(quantize.ROW_OVERRIDE, "blas")
-    with pytest.raises(ConfigError, match="SMALLGPT_ROW_PRODUCT='blas': use one of linear, addmv, mv, onednn, linear_t, bags, or unset it"):
+    with pytest.raises(ConfigError, match="SMALLGPT_ROW_PRODUCT='blas': use one of linear, addmv, mv, onednn, linear_t, bags, rowdot, or unset it"):
         quantize.row_products(linears)
     monkeypatch.delenv(quantize.ROW_OVERRIDE)
     two_shapes = linears + [(torch.randn(32, 64, dtype=torch.float16), torch.randn(32, dtype=torch.float16))]
@@ -254,20 +254,97 @@ def test_a_compiled_graph_computes_row_linear_with_f_linear():
 
 def test_int8_linear_is_within_half_a_step_per_weight_and_its_two_paths_agree():
     torch.manual_seed(0)
-    linear = torch.nn.Linear(64, 48)
+    linear = torch.nn.Linear(70, 48)  # 70: two blocks of 32 and a partial one of 6
     q = Int8Linear(linear)
-    dequantised = q.weight.float() * q.scale.float()[:, None]
-    step = linear.weight.abs().amax(dim=1, keepdim=True) / 127
-    scale_rounding = (linear.weight.abs() + step) * 2**-8  # the scales are bf16
+    assert q.weight.shape == (48, 70) and q.scale.shape == (48, 3) and q.scale.dtype == torch.float16
+    dequantised = quantize.dequantize_blocks(q.weight, q.scale)
+    blocks = F.pad(linear.weight.detach(), (0, 26)).view(48, 3, 32)
+    step = (blocks.abs().amax(dim=-1, keepdim=True) / 127).expand(48, 3, 32).reshape(48, 96)[:, :70]
+    scale_rounding = (linear.weight.abs() + step) * 2**-11  # the scales are float16
     assert ((dequantised - linear.weight).abs() <= step / 2 + scale_rounding).all()
     assert ((dequantised - linear.weight).abs() > step / 4).any()  # it is quantised, not a copy
-    x = torch.randn(3, 40, 64)  # 120 rows: the dequantised bf16 path
-    reference = F.linear(x.bfloat16(), dequantised.bfloat16(), q.bias).float()
-    torch.testing.assert_close(q(x), reference, atol=0.03, rtol=0.02)
-    for row in range(0, 120, 40):  # one row at a time: the int8 kernel
-        torch.testing.assert_close(q(x.view(-1, 64)[row : row + 1]), reference.view(-1, 48)[row : row + 1],
-                                   atol=0.03, rtol=0.02)
+    x = torch.randn(3, 40, 70)  # 120 rows: the dequantised bf16 path
+    reference = F.linear(x.bfloat16(), dequantised.bfloat16(), q.bias.bfloat16()).float()
+    torch.testing.assert_close(q(x), reference, atol=0.05, rtol=0.02)
+    for row in range(0, 120, 40):  # one row at a time: rowdot (activations quantised in blocks too)
+        torch.testing.assert_close(q(x.view(-1, 70)[row : row + 1]), reference.view(-1, 48)[row : row + 1],
+                                   atol=0.05, rtol=0.02)
     assert q(x).dtype == torch.float32 and q(x).shape == (3, 40, 48)
+    assert q(x[:, :0]).shape == (3, 0, 48)  # no rows: a chunk past the text's end
+
+
+def test_int8_blocks_are_llama_cpps_q8_0_bit_for_bit():
+    """What export.py --gguf_type=q8_0 writes (gguf's quantize) is what int8 inference multiplies by."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    torch.manual_seed(0)
+    w = torch.randn(40, 96) * torch.logspace(-3, 1, 96)  # blocks of very different scales
+    w[3, :32] = 0  # an all-zero block
+    w[4, :32] = torch.arange(32) + 0.5  # a scale of exactly 1 and every weight a tie: rounded away from zero
+    w[4, 31] = 127
+    q, scale = quantize.quantize_blocks(w)
+    theirs = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0).reshape(40, 3, 34)
+    assert torch.equal(q, torch.from_numpy(theirs[..., 2:].copy().view(np.int8)).reshape(40, 96))
+    assert torch.equal(scale, torch.from_numpy(theirs[..., :2].copy().view(np.float16))[..., 0])
+    back = gguf.quants.dequantize(theirs.reshape(40, 102), gguf.GGMLQuantizationType.Q8_0)
+    assert torch.equal(quantize.dequantize_blocks(q, scale), torch.from_numpy(back))
+
+
+def kernel_or_skip():
+    if quantize.rowdot_kernel() is None:
+        pytest.skip(f"rowdot.cpp does not run here: {quantize.kernel_status()}")
+    return quantize.rowdot_kernel()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("K", [64, 96, 70, 2048])  # whole blocks (an even and an odd count), a partial block, a wide row
+def test_rowdot_kernel_computes_its_torch_reference(dtype, K):
+    """rowdot.cpp against quantize.reference_rowdot (the fallback where it cannot be built): one row, a few, a
+    server's batch, with and without a bias; int8's block dot products are exact integers either way."""
+    op = kernel_or_skip()
+    g = torch.Generator().manual_seed(K)
+    w = torch.randn(37, K, generator=g) * torch.linspace(0.1, 3, K)
+    weight, scale = quantize.quantize_blocks(w) if dtype == "int8" else (w.to(getattr(torch, dtype)), None)
+    for M, bias in [(1, None), (3, torch.randn(37, generator=g)), (16, None)]:
+        x = (torch.randn(M, K, generator=g) * 2).to(torch.bfloat16 if dtype == "bfloat16" else torch.float32)
+        ours, reference = op(x, weight, scale, bias), quantize.reference_rowdot(x, weight, scale, bias)
+        assert ours.shape == (M, 37) and ours.dtype == x.dtype
+        tolerance = dict(atol=1e-2, rtol=1e-2) if dtype == "bfloat16" else dict(atol=1e-3, rtol=1e-4)  # bf16: the output's rounding
+        torch.testing.assert_close(ours.float(), reference.float(), **tolerance)
+    with pytest.raises(RuntimeError, match="int8 weights take a scale"):
+        op(torch.randn(1, K), weight, None if dtype == "int8" else torch.ones(37, 3, dtype=torch.float16), None)
+
+
+def test_an_int8_model_decodes_alike_with_and_without_the_kernel(monkeypatch):
+    """The fallback (torch, over dequantised blocks) is the kernel's arithmetic: the same logits up to float
+    summation order, the same greedy tokens."""
+    kernel_or_skip()
+    torch.manual_seed(0)
+    model = quantize_int8(GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=100)))
+    idx = torch.randint(100, (1, 6))
+    with torch.no_grad():
+        fast = [model.forward_cached(idx[:, :t])[:, -1] for t in (1, 3)]
+        tokens = model.generate(idx, 12, GREEDY)
+        monkeypatch.setitem(quantize._kernel, "op", None)
+        slow = [model.forward_cached(idx[:, :t])[:, -1] for t in (1, 3)]
+        assert torch.equal(model.generate(idx, 12, GREEDY), tokens)
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_large_weights_move_into_huge_pages_unchanged():
+    t = torch.randn(3000, 1000)  # 12 MB
+    moved = quantize.in_huge_pages(t)
+    assert torch.equal(moved, t) and moved.data_ptr() != t.data_ptr()
+    assert moved.data_ptr() % quantize.HUGE == 0 or not __import__("sys").platform.startswith("linux")
+    assert quantize.in_huge_pages(torch.randn(10, 10)).data_ptr() != 0  # small: left where it is
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=1024, block_size=16, vocab_size=1200))  # a 4.9 MB tied table
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    quantize.weights_in_huge_pages(model)
+    assert model.lm_head.weight is model.tok_emb.weight
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert model.tok_emb.weight.data_ptr() % quantize.HUGE == 0
 
 
 @pytest.mark.parametrize("arch", [dict(), dict(pos_emb="rope", norm="rmsnorm", mlp="swiglu", bias=False, n_kv_head=2,
