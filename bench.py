@@ -445,12 +445,13 @@ def llama_bench_runner(model, tokenizer, c, device):
         raise ConfigError(f"--compare=llama.cpp: weights_dtype={c.weights_dtype!r} has no GGUF twin; use one of {', '.join(GGUF_TYPES)}")
     binary = llama_bench_binary()
     meta = tokenizer.meta() if tokenizer is not None else {"kind": "tiktoken", "encoding": "gpt2"}  # a random model: GPT-2's
-    path = os.path.join(tempfile.mkdtemp(prefix="bench-gguf-"), "model.gguf")
+    folder = tempfile.TemporaryDirectory(prefix="bench-gguf-")  # removed with run (or at exit): no GGUFs left in /tmp
+    path = os.path.join(folder.name, "model.gguf")
     write_gguf(model.float().cpu(), meta, path, GGUF_TYPES[c.weights_dtype])
     threads = c.threads or torch.get_num_threads()
     command = [binary, "-m", path, "-p", "0", "-n", str(c.new_tokens), "-t", str(threads), "-r", "1", "-o", "json"]
 
-    def run():
+    def run(folder=folder):
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise ConfigError(f"llama-bench exited {done.returncode}: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")

@@ -45,7 +45,7 @@ from dataset import (ConversationSampler, hub_offline, hub_reachable, is_masked_
                      read_meta, read_records, resolve_dataset, write_json)
 from device import COMPUTE_DTYPES, DEVICES, autocast, pick_device, pick_dtype
 from generate import Sampling, check_max_new_tokens
-from quantize import for_inference
+from quantize import Int8Linear, for_inference
 from tokenizer import ChatTokenizer, continuation, describe_meta, same_vocabulary, tokenizer_from_meta
 
 
@@ -64,6 +64,7 @@ class EvalConfig(ContextKeys):
     include_path: str = ""  # lm-eval: a folder of task YAML files (local data: how tasks run offline)
     device: str = "auto"  # auto | cpu | cuda | mps
     dtype: str = "float32"  # compute dtype: float32 (exact) | auto | bfloat16 | float16
+    weights_dtype: str = "float32"  # the weights as sample.py decodes with them: float32 | bfloat16 | int8 (CPU; each window then runs through the KV cache 16 tokens at a time, so every product is the decode kernel's)
     json: str = ""  # also write the results to this JSON file
     chats: str = ""  # a JSON-lines file of conversations: answer each last user turn, exact match against its last assistant turn
     chats_fewshot: int = 0  # solved examples of the same task before each conversation (from chats_examples)
@@ -71,7 +72,7 @@ class EvalConfig(ContextKeys):
     max_new_tokens: int = 64  # chats: the longest reply (it also ends at the model's context)
 
 
-EVAL_CHOICES = {"device": DEVICES, "dtype": COMPUTE_DTYPES, "split": ("val", "train"),
+EVAL_CHOICES = {"device": DEVICES, "dtype": COMPUTE_DTYPES, "split": ("val", "train"), "weights_dtype": ("float32", "bfloat16", "int8"),
                 **ContextKeys.CHOICES}
 
 
@@ -116,6 +117,17 @@ def score(model, tokens, stride, batch_size, device, context):
     return nats_all[:scored], tokens[1 : scored + 1]
 
 
+def window_logits(model, x):
+    """The logits of windows x (B, T): one forward pass, or with int8 weights through the KV cache a few tokens
+    at a time, so that each product has at most Int8Linear.DECODE_ROWS rows and runs as decoding runs it
+    (rowdot's arithmetic; a longer pass takes the prefill's dequantised bf16 matmul instead)."""
+    if not any(isinstance(m, Int8Linear) for m in model.modules()):
+        return model(x)[0]
+    step, cache = max(1, Int8Linear.DECODE_ROWS // x.size(0)), model.new_cache()
+    return torch.cat([model.forward_cached(x[:, s : s + step], cache, last=min(step, x.size(1) - s))
+                      for s in range(0, x.size(1), step)], dim=1)
+
+
 def score_windows(model, tokens, group, nats_all, context, device):
     """One batch of windows: each window's scored targets' losses into nats_all."""
     by_length = {}  # the last window can be shorter: one forward pass per length
@@ -125,7 +137,7 @@ def score_windows(model, tokens, group, nats_all, context, device):
         x = torch.stack([tokens[b:e] for b, e, _ in same]).to(device)
         y = torch.stack([tokens[b + 1 : e + 1] for b, e, _ in same]).to(device)
         with context:
-            logits, _ = model(x)
+            logits = window_logits(model, x)
         nats = token_nats(logits, y).cpu()
         for row, (_, end, n) in enumerate(same):  # this window scores targets end - n .. end - 1
             nats_all[end - n : end] = nats[row, length - n :]
@@ -164,7 +176,7 @@ def score_conversations(model, conversations, device, context):
             ids = torch.from_numpy(conversations.tokens.window(start, length))
             trained = torch.from_numpy(conversations.mask.window(start, length))[1:].bool()
             with context:
-                logits, _ = model(ids[None, :-1].to(device))
+                logits = window_logits(model, ids[None, :-1].to(device))
             nats.append(token_nats(logits, ids[None, 1:].to(device))[0].cpu()[trained])
             targets.append(ids[1:][trained])
             right += int((logits[0].argmax(-1).cpu()[trained] == targets[-1]).sum())
@@ -271,6 +283,8 @@ def evaluate(c):
     device = pick_device(c.device)
     dtype = pick_dtype(c.dtype, torch.device(device).type)
     model = model.to(device).eval()
+    if c.weights_dtype != "float32":  # (float32 keeps the exact forward pass, as before)
+        model = checked(for_inference, model, c.weights_dtype)
     context = autocast(torch.device(device).type, dtype)
     right = None
     if chat:
@@ -284,7 +298,8 @@ def evaluate(c):
         "tokenizer": meta.get("kind"), "tokens": len(scored),
         "bytes": n_bytes, "loss": nats / len(scored), "perplexity": math.exp(nats / len(scored)),
         "bits_per_byte": nats / math.log(2) / n_bytes if n_bytes else None, "block_size": model.config.block_size,
-        "stride": stride, "dtype": dtype, **({"accuracy": right / len(scored)} if right is not None else {}),
+        "stride": stride, "dtype": dtype, "weights_dtype": c.weights_dtype,
+        **({"accuracy": right / len(scored)} if right is not None else {}),
     }  # fmt: skip
 
 

@@ -68,10 +68,12 @@ def test_sample_on_the_gpu(cuda_run, args):
 
 
 def test_compiled_decoding_on_the_gpu_gives_the_eager_text(cuda_run):
-    """sample.py --compile=True: static caches and the step under CUDA graphs (mode="reduce-overhead")."""
+    """sample.py --compile=True: static caches and the step under CUDA graphs (triton.cudagraphs), measured
+    against eager first (generate.faster_static_step: its stderr line says which it kept)."""
     args = ["sample.py", f"--out_dir={cuda_run}", "--device=cuda", "--start=The king", "--num_samples=2",
             "--max_new_tokens=40", "--temperature=0", "--weights_dtype=float32"]
-    assert ok(run_main(*args, "--compile=True")).stdout == ok(run_main(*args)).stdout
+    compiled = ok(run_main(*args, "--compile=True"))
+    assert compiled.stdout == ok(run_main(*args)).stdout and "compile: the compiled step decodes" in compiled.stderr
 
 
 def test_greedy_text_on_the_gpu_equals_the_cpus(cuda_run):
@@ -124,6 +126,9 @@ def test_eval_bits_per_byte_on_the_gpu_within_1e_3_of_the_cpus(tmp_path, cuda_ru
                     f"--json={tmp_path / device}.json"))
         scores[device] = json.loads((tmp_path / f"{device}.json").read_text())["bits_per_byte"]
     assert abs(scores["cuda"] - scores["cpu"]) <= 1e-3, scores
+    ok(run_main("eval.py", f"--out_dir={cuda_run}", "--device=cuda", "--weights_dtype=bfloat16", f"--json={tmp_path}/bf16.json"))
+    assert abs(json.loads((tmp_path / "bf16.json").read_text())["bits_per_byte"] - scores["cuda"]) <= 0.02
+    assert "CPU inference" in run_main("eval.py", f"--out_dir={cuda_run}", "--device=cuda", "--weights_dtype=int8").stderr
 
 
 def test_a_gguf_of_a_gpu_run_samples_on_the_gpu_as_the_run_does(tmp_path, cuda_run):

@@ -174,3 +174,17 @@ def test_a_strided_evaluation_of_a_book_needs_no_more_memory_than_a_plain_one(tm
     assert strided <= 2 * plain, peaks  # the issue's bound
     # and the growth itself: before the fix 132-178 MB against 0-58 MB plain here; after, 0 against 0
     assert strided - strided_before <= plain - plain_before + 32 * 1024, peaks
+
+
+def test_int8_weights_score_through_the_decode_kernel_close_to_float32(trained_run, text_file, monkeypatch):
+    """--weights_dtype=int8: every product of every window has at most DECODE_ROWS rows (what decoding runs)."""
+    import quantize
+
+    base = evaluation.main([f"--out_dir={trained_run}", f"--text={text_file}", "--device=cpu", "--batch_size=3"])
+    rows, rowdot = [], quantize.rowdot
+    monkeypatch.setattr(quantize, "rowdot", lambda x, *a: (rows.append(x.size(0)), rowdot(x, *a))[1])
+    r = evaluation.main([f"--out_dir={trained_run}", f"--text={text_file}", "--device=cpu", "--batch_size=3",
+                         "--weights_dtype=int8"])
+    assert r["weights_dtype"] == "int8" and r["tokens"] == base["tokens"]
+    assert rows and max(rows) <= quantize.Int8Linear.DECODE_ROWS
+    assert r["loss"] != base["loss"] and abs(r["loss"] - base["loss"]) < 0.02, (r["loss"], base["loss"])
