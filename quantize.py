@@ -1,7 +1,8 @@
 """
-Weights for inference: one-row products through RowLinear, int8 through Int8Linear, and for_inference, the one
-entry point sample.py and bench.py use. Decoding one token reads every weight once, so its speed is the
-bytes per weight and the bandwidth of the kernel that reads them.
+Weights for inference: one-row products through RowLinear, int8 (llama.cpp's Q8_0 blocks) through Int8Linear,
+both on rowdot.cpp where it builds, the weights in huge pages, and for_inference, the one entry point
+sample.py, eval.py and bench.py use. Decoding one token reads every weight once, so its speed is the bytes
+per weight and the bandwidth of the kernel that reads them.
 """
 
 import ctypes
@@ -406,17 +407,18 @@ class RowLinear(nn.Linear):
     """A Linear that computes a single row (one token being decoded) with a chosen product (ROW_PRODUCTS),
     since the fastest one-row kernel differs between CPUs by up to 4x; more rows (a prefill, a batch) take
     F.linear, or oneDNN over `packed`, a copy of the weight prepacked by for_inference(batch_rows=...)
-    (stale if the weight changes after). Under torch.compile, F.linear always: the eager kernels are chosen
-    for eager mode."""
+    (stale if the weight changes after). Under torch.compile one row is rowdot.cpp's op where it runs here
+    (faster in a compiled step than inductor's mm), else F.linear: the eager kernels are chosen for eager mode."""
 
     product = "linear"
     packed = None
 
     def forward(self, x):
         if torch.compiler.is_compiling():  # a compiled graph picks its own kernels (inductor cannot lower oneDNN's op),
-            if x.numel() == x.size(-1) and self.weight.is_contiguous() and rowdot_kernel() is not None:
+            op = _kernel.get("op")  # (built when the RowLinear was made: never inside a trace)
+            if x.numel() == x.size(-1) and self.weight.is_contiguous() and op is not None:
                 # but calls ours for one row (an op with a fake): faster than inductor's extern mm here
-                return rowdot_kernel()(x.reshape(1, -1), self.weight, None, self.bias).view(*x.shape[:-1], -1)
+                return op(x.reshape(1, -1), self.weight, None, self.bias).view(*x.shape[:-1], -1)
             return F.linear(x, self.weight, self.bias)
         if x.numel() != x.size(-1):
             if self.packed is not None:
@@ -464,6 +466,7 @@ class Int8Linear(nn.Module):
     def __init__(self, linear):
         super().__init__()
         weight, scale = quantize_blocks(linear.weight)
+        rowdot_kernel()  # built (or found wanting) now, not first inside a compiled step's tracing
         self.register_buffer("weight", weight)
         self.register_buffer("scale", scale)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float())
@@ -486,6 +489,7 @@ def replace_linears(model, make):
 
 
 def row_linear(linear, product):
+    rowdot_kernel()  # built (or found wanting) now, not first inside a compiled step's tracing
     new = RowLinear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
     new.weight, new.bias = linear.weight, linear.bias  # the same Parameters: a tied head stays tied
     new.product = product

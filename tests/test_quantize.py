@@ -223,10 +223,10 @@ def test_every_weight_shape_loads_for_inference(monkeypatch):
     assert any(1 in m.weight.shape for m in for_inference(model, "float32").modules() if type(m) is quantize.RowLinear)
 
 
-def test_a_compiled_graph_computes_row_linear_with_f_linear():
+def test_a_compiled_graph_computes_row_linear_with_f_linear_or_rowdot():
     """generate.StaticDecode compiles the decode step with RowLinears inside; inductor cannot lower oneDNN's
-    op (sample.py --compile=True failed on a CPU whose row product was oneDNN). Traced here with a
-    backend that records the graph's ops (no C++ to build)."""
+    op (sample.py --compile=True failed on a CPU whose row product was oneDNN): one row is rowdot.cpp's op
+    where it runs here, several rows F.linear. Traced here with a backend that records the graph's ops."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(32, 48)
     row = quantize.row_linear(linear, "onednn")
@@ -246,6 +246,23 @@ def test_a_compiled_graph_computes_row_linear_with_f_linear():
         for rows in (x, torch.randn(4, 32)):  # one row (the row product's path) and several (the packed copy's)
             torch.testing.assert_close(compiled(rows), F.linear(rows, linear.weight, linear.bias), atol=1e-5, rtol=1e-5)
     assert ops and not any("mkldnn" in op for op in ops) and any("linear" in op for op in ops), ops
+    assert any("rowdot" in op for op in ops) == (quantize.rowdot_kernel() is not None), ops
+
+
+@pytest.mark.parametrize("weights", ["float32", "int8"])
+def test_the_compiled_step_over_rowdot_decodes_the_eager_tokens(monkeypatch, weights):
+    """The compiled step's one-row products are rowdot's while the eager loop keeps the product measured
+    fastest (MKL's, say): float32 greedy text is the eager text all the same (30 tokens, traced with the
+    eager backend: the graph is the one inductor would compile), and int8's, whose products are rowdot's both ways."""
+    kernel_or_skip()
+    monkeypatch.setattr(generate, "STATIC_BACKEND", "eager")
+    torch.manual_seed(0)
+    model = for_inference(GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64, vocab_size=100, pos_emb="rope",
+                                        norm="rmsnorm", mlp="swiglu", bias=False)), weights)
+    idx = torch.randint(100, (1, 5))
+    eager = model.generate(idx, 30, GREEDY)
+    torch._dynamo.reset()
+    assert torch.equal(generate.generate(model, idx, 30, GREEDY, step=generate.StaticDecode(model, GREEDY)), eager)
 
 
 # ---------------------------------------------------------------------------------------------------
