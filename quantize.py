@@ -27,6 +27,7 @@ from device import precision
 
 KERNEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rowdot.cpp")
 KERNEL_OFF = "SMALLGPT_KERNEL"  # =0: never build or use rowdot.cpp (torch's kernels only)
+STALE_LOCK_SECONDS = 300  # a build takes 5-30 s: a lock file older than this was left by one that died
 _kernel = {}  # "op": torch.ops.smallgpt.rowdot or None, "why": the reason it is None
 
 
@@ -74,6 +75,14 @@ def build_kernel():
         source = f.read()
     digest = hashlib.sha256(source + cpu_identity().encode() + " ".join(flags).encode() + torch.__version__.encode())
     name = f"smallgpt_rowdot_{digest.hexdigest()[:12]}"  # another CPU, source or torch: another build
+    try:  # a build interrupted (Ctrl-C) leaves its lock file, on which torch's next load would wait forever
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = os.path.join(_get_build_directory(name, False), "lock")
+        if os.path.exists(lock) and time.time() - os.path.getmtime(lock) > STALE_LOCK_SECONDS:
+            os.remove(lock)
+    except (ImportError, OSError):
+        pass
     load(name=name, sources=[KERNEL_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
     op = torch.ops.smallgpt.rowdot
     torch.library.register_fake("smallgpt::rowdot", lambda x, weight, scale, bias: x.new_empty(x.size(0), weight.size(0)))
