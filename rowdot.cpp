@@ -219,12 +219,66 @@ at::Tensor rowdot(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
 }
 
+// One query a row over a decode step's static cache: softmax(q.k / sqrt(D) + mask) v per head, in float32.
+// q (B, H, 1, D); k, v (B, Hkv, K, D), H a multiple of Hkv (grouped heads); mask (B, 1 or H, 1, K): a boolean
+// (true: seen) or an additive bias (-inf: hidden). SDPA's CPU kernel calls a small GEMM per head for this,
+// several times this loop's time at one query (docs/benchmarks.md).
+at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(3) == k.size(3) &&
+              q.size(0) == k.size(0) && q.size(1) % k.size(1) == 0, "one_query_attention: q (B, H, 1, D), k and v (B, Hkv, K, D)");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "one_query_attention: float32");
+  const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), K = k.size(2), D = q.size(3);
+  TORCH_CHECK(mask.dim() == 4 && mask.size(0) == B && (mask.size(1) == 1 || mask.size(1) == H) && mask.size(3) == K,
+              "one_query_attention: mask (B, 1 or H, 1, K)");
+  const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), mc = mask.contiguous();
+  const bool seen = mc.scalar_type() == at::kBool;
+  TORCH_CHECK(seen || mc.scalar_type() == at::kFloat, "one_query_attention: a bool or float32 mask");
+  at::Tensor out = at::empty({B, H, 1, D}, qc.options());
+  const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(K);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H, g = h / (H / Hkv), mh = mc.size(1) == 1 ? 0 : h;
+      const float* kb = kp + (b * Hkv + g) * K * D;
+      const float* vb = vp + (b * Hkv + g) * K * D;
+      float top = -INFINITY;
+      for (int64_t j = 0; j < K; ++j) {
+        float s;
+        if (seen && !mc.data_ptr<bool>()[(b * mc.size(1) + mh) * K + j]) {
+          s = -INFINITY;
+        } else {
+          row_times(kb + j * D, qp + bh * D, 1, D, &s, 1);
+          s *= scale;
+          if (!seen) s += mc.data_ptr<float>()[(b * mc.size(1) + mh) * K + j];
+        }
+        p[j] = s;
+        top = std::max(top, s);
+      }
+      float total = 0.f;
+      for (int64_t j = 0; j < K; ++j) total += (p[j] = p[j] == -INFINITY ? 0.f : std::exp(p[j] - top));
+      float* o = op + bh * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t j = 0; j < K; ++j) {
+        if (p[j] == 0.f) continue;
+        const float w = p[j] / total;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * vb[j * D + d];
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(smallgpt, m) {
   m.def("rowdot(Tensor x, Tensor weight, Tensor? scale, Tensor? bias) -> Tensor");
+  m.def("one_query_attention(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(smallgpt, CPU, m) {
   m.impl("rowdot", rowdot);
+  m.impl("one_query_attention", one_query_attention);
 }

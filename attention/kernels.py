@@ -44,9 +44,29 @@ def attention_explicit(q, k, v, mask, dropout_p=0.0):
     return weights @ v.repeat_interleave(q.size(1) // v.size(1), dim=1)
 
 
+ONE_QUERY = {}  # "op": rowdot.cpp's one_query_attention, set by quantize.py when it builds that file
+
+
+def attention_one_query(q, k, v, mask):
+    """softmax(q.k / sqrt(d) + mask) v for one query a row, written as products and sums: in a compiled CPU
+    decode step inductor fuses them into loops of its own, where SDPA's CPU kernel calls a tiny GEMM per head
+    (53 us a layer at 12 heads, as long as three of the layer's four weight products: docs/benchmarks.md)."""
+    B, H, _, D = q.shape
+    Hkv, K = k.size(1), k.size(2)
+    q = q.view(B, Hkv, H // Hkv, 1, D)  # the heads that share a key, together
+    scores = ((q * k[:, :, None]).sum(-1) * (1.0 / math.sqrt(D))).view(B, H, 1, K)
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(scores.dtype)
+    weights = F.softmax(scores.float(), dim=-1).to(v.dtype).view(B, Hkv, H // Hkv, K, 1)
+    return (weights * v[:, :, None]).sum(-2).view(B, H, 1, D)
+
+
 def attention_sdpa(q, k, v, mask, dropout_p=0.0):
     if isinstance(mask, FlexMask):
         return attention_flex(q, k, v, mask)
+    if q.size(2) == 1 and mask is not None and q.device.type == "cpu" and torch.compiler.is_compiling():
+        # a compiled decode step's (dropout is off there): rowdot.cpp's loop where quantize.py built it
+        op = ONE_QUERY.get("op") if q.dtype == k.dtype == torch.float32 else None
+        return attention_one_query(q, k, v, mask) if op is None else op(q, k, v, mask)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(2) > 1:
         # torch 2.13's CPU flash-attention kernel is 2-4x slower in bf16 than in fp32 (backward above
         # all; measured in docs/research_log.md), so on CPU training and prefill attention run in fp32.

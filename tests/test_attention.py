@@ -624,3 +624,23 @@ def test_the_gated_kinds_start_with_a_memory(letter):
         g = model.blocks[0].attn.gates(torch.randn(2, 16, model.config.n_embd))[2]
     keep = g.exp()
     assert 0.5 < keep.median() and keep.max() < 1 and keep.min() > 0.1
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)], ids=["mha", "gqa", "mqa"])
+def test_one_query_attention_of_the_compiled_cpu_step_is_the_textbooks(heads):
+    """What a compiled CPU decode step computes in place of SDPA: rowdot.cpp's one_query_attention where
+    quantize.py built it, else attention.kernels.attention_one_query; both for a boolean mask of the static
+    cache's filled slots and for a position bias holding -inf there (per head, or one for all heads)."""
+    import quantize
+    from attention.kernels import ONE_QUERY, attention_explicit, attention_one_query
+
+    quantize.rowdot_kernel()
+    H, Hkv = heads
+    g = torch.Generator().manual_seed(H + Hkv)
+    q, k, v = torch.randn(2, H, 1, 16, generator=g), torch.randn(2, Hkv, 9, 16, generator=g), torch.randn(2, Hkv, 9, 16, generator=g)
+    seen = torch.rand(2, 1, 1, 9, generator=g) > 0.3
+    seen[..., 0] = True
+    bias = torch.randn(2, H, 1, 9, generator=g).masked_fill(~seen, float("-inf"))
+    for way in [attention_one_query] + ([ONE_QUERY["op"]] if "op" in ONE_QUERY else []):
+        for mask in (seen, bias, bias[:, :1]):
+            torch.testing.assert_close(way(q, k, v, mask), attention_explicit(q, k, v, mask), atol=1e-6, rtol=1e-5)
