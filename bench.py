@@ -335,12 +335,14 @@ def bench_sample(model, tokenizer, c, device):
     prompt = make_prompt(c, config, tokenizer, device)
     if c.draft:
         return bench_speculative(model, twin, tokenizer, prompt, c, device)
-    step_line = None
+    step_line, static_len = None, None
     if c.compile:  # as sample.py --compile=True decodes: the compiled step where it measures faster here
-        chosen, step_line = checked(generate.faster_static_step, model, prompt, N, GREEDY)
+        if c.compare in ("row_products", "compiled"):
+            raise ConfigError(f"compare={c.compare} times the eager step against others: drop compile=True")
+        static, step_line = checked(generate.faster_static_step, model, prompt, N, GREEDY)
+        static_len = None if static is None else static.max_len
         print(step_line, file=sys.stderr)
-    fresh_step = (lambda: None) if not c.compile or chosen is None else (
-        lambda: generate.StaticDecode(model, GREEDY, max_len=chosen.max_len))
+    fresh_step = (lambda: None) if static_len is None else (lambda: generate.StaticDecode(model, GREEDY, max_len=static_len))
     runs = {
         "prefill": lambda: generate.next_logits(model, prompt, P, model.new_cache()),
         "ours": lambda: generate.generate(model, prompt, N, GREEDY, step=fresh_step()),

@@ -64,7 +64,7 @@ class EvalConfig(ContextKeys):
     include_path: str = ""  # lm-eval: a folder of task YAML files (local data: how tasks run offline)
     device: str = "auto"  # auto | cpu | cuda | mps
     dtype: str = "float32"  # compute dtype: float32 (exact) | auto | bfloat16 | float16
-    weights_dtype: str = "float32"  # the weights as sample.py decodes with them: float32 | bfloat16 | int8 (CPU; each window then runs through the KV cache 16 tokens at a time, so every product is the decode kernel's)
+    weights_dtype: str = "float32"  # the weights as sample.py decodes with them: float32 | bfloat16 | int8 (CPU; each window then runs through the KV cache 16 rows at a time, so every product is the decode kernel's); a decoder's split, --text or --chats
     json: str = ""  # also write the results to this JSON file
     chats: str = ""  # a JSON-lines file of conversations: answer each last user turn, exact match against its last assistant turn
     chats_fewshot: int = 0  # solved examples of the same task before each conversation (from chats_examples)
@@ -123,7 +123,10 @@ def window_logits(model, x):
     (rowdot's arithmetic; a longer pass takes the prefill's dequantised bf16 matmul instead)."""
     if not any(isinstance(m, Int8Linear) for m in model.modules()):
         return model(x)[0]
-    step, cache = max(1, Int8Linear.DECODE_ROWS // x.size(0)), model.new_cache()
+    rows = Int8Linear.DECODE_ROWS
+    if x.size(0) > rows:  # (a batch wider than that: in groups of rows)
+        return torch.cat([window_logits(model, x[i : i + rows]) for i in range(0, x.size(0), rows)])
+    step, cache = rows // x.size(0), model.new_cache()
     return torch.cat([model.forward_cached(x[:, s : s + step], cache, last=min(step, x.size(1) - s))
                       for s in range(0, x.size(1), step)], dim=1)
 
@@ -265,6 +268,9 @@ def evaluate(c):
     """Loss, perplexity and bits per byte of a whole split or text file (a classifier: loss and accuracy)."""
     model, tokenizer, state = load_for(c)
     if model.config.family != "decoder" or model.config.head != "lm":
+        if c.weights_dtype != "float32":
+            raise ConfigError(f"weights_dtype={c.weights_dtype}: this model is family={model.config.family!r}, scored "
+                              "with float32 weights; weights_dtype is for a decoder's split, --text or --chats")
         if c.text:
             raise ConfigError(f"--text scores a decoder's next tokens; this model is family={model.config.family!r}: "
                               "it is scored on a prepared dataset (--dataset, default its own)")
@@ -330,6 +336,9 @@ def run_tasks(c):
         raise ConfigError(f"num_fewshot={c.num_fewshot} must be >= 0, or None for each task's default")
     if c.include_path and not os.path.isdir(c.include_path):
         raise ConfigError(f"include_path={c.include_path}: not a folder (it should hold task YAML files)")
+    if c.weights_dtype != "float32":
+        raise ConfigError(f"weights_dtype={c.weights_dtype}: --tasks scores with float32 weights; weights_dtype is for a "
+                          "split, --text or --chats")
     harness = import_harness()
     model, tokenizer, _ = load_for(c)
     if model.config.family != "decoder":
@@ -387,7 +396,7 @@ def answer_chats(c):
         examples.setdefault(task, []).append(messages)
     model, tokenizer, _ = load_for(c)
     device = pick_device(c.device)
-    model = for_inference(model.to(device), "float32")
+    model = checked(for_inference, model.to(device), c.weights_dtype)
     rows, tasks = [], {}
     with Progress(len(conversations), "conversations", "answering") as progress:
         for task, messages in conversations:

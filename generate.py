@@ -179,8 +179,8 @@ def stream(model, idx, max_new_tokens, sampling=Sampling(), *, eos_token_id=None
 # A compiled decode step over static caches (gpt-fast's shape): after an eager prefill, each layer's cache
 # becomes its kind's StaticCache (a full layer's keys preallocated to block_size, a window's ring, a linear
 # layer's sums), and one step is a pure function of tensors (the token, each row's position, the caches,
-# the sampler's noise), compiled with fullgraph=True: with CUDA graphs on a GPU (mode="reduce-overhead"),
-# the default mode on a CPU.
+# the sampler's noise), compiled with fullgraph=True: with CUDA graphs on a GPU (triton.cudagraphs, what
+# mode="reduce-overhead" sets), with a C++ wrapper on a CPU (compiled_step).
 
 
 STATIC_BACKEND = "inductor"  # torch.compile's backend for the step (tests trace it with "eager": no C++ to build)
@@ -195,9 +195,9 @@ def decode_one_token(model, tokens, pos, caches, noise, sampling):
 def structure(model):
     """What a compiled step was traced for.
 
-    Each module's type and each tensor's name, shape, dtype, layout and memory: in-place changes of values
-    keep it; quantising, relaying or moving the weights do not."""
-    return (tuple(type(m).__name__ for m in model.modules()),
+    Each module's type and mode and each tensor's name, shape, dtype, layout and memory, and how it compiles:
+    in-place changes of values keep it; quantising, relaying or moving the weights, or train() do not."""
+    return (STATIC_BACKEND, CPP_WRAPPER, tuple((type(m).__name__, m.training) for m in model.modules()),
             tuple((name, t.shape, t.dtype, t.stride(), t.data_ptr()) for name, t in
                   [*model.named_parameters(), *model.named_buffers()]))
 
@@ -208,11 +208,11 @@ def compiled_step(model, device_type):
     Its own cache of compiled entries (isolate_recompiles) lets its guards skip the modules' attributes,
     which cost 0.8 ms a token for 12 layers on a CPU, since this compile only ever sees this model as it is
     now (structure)."""
-    key = structure(model)
+    key = (device_type, structure(model))
     if model not in _compiled or _compiled[model][0] != key:
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         if STATIC_BACKEND == "inductor":
-            # CUDA graphs on a GPU (mode="reduce-overhead"); on a CPU, a C++ wrapper calls the kernels, not Python
+            # CUDA graphs on a GPU (what mode="reduce-overhead" sets); on a CPU, a C++ wrapper calls the kernels
             options.update({"triton.cudagraphs": True} if device_type == "cuda" else {"cpp_wrapper": CPP_WRAPPER})
         _compiled[model] = key, torch.compile(decode_one_token, fullgraph=True, dynamic=False, backend=STATIC_BACKEND,
                                               options=options, isolate_recompiles=True)
@@ -282,7 +282,9 @@ def faster_static_step(model, idx, max_new_tokens, sampling):
 
     check_static(model)
     max_len = min(model.config.block_size, idx.size(1) + max_new_tokens)
-    n = max(1, min(MEASURED_TOKENS, max_len - idx.size(1)))
+    n = min(MEASURED_TOKENS, max_len - idx.size(1))
+    if n < 2:  # the first new token is the eager prefill's: no compiled step would run
+        return None, "compile: at most one new token fits in the static cache, which no compiled step decodes: decoding eager"
     ways = {"compiled": lambda: StaticDecode(model, sampling, max_len=max_len), "eager": lambda: None}
     times = {name: [] for name in ways}
     start = time.perf_counter()

@@ -10,6 +10,7 @@ import hashlib
 import os
 import platform
 import sys
+import threading
 import time
 
 import torch
@@ -30,6 +31,7 @@ KERNEL_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rowdot
 KERNEL_OFF = "SMALLGPT_KERNEL"  # =0: never build or use rowdot.cpp (torch's kernels only)
 STALE_LOCK_SECONDS = 300  # a build takes 5-30 s: a lock file older than this was left by one that died
 _kernel = {}  # "op": torch.ops.smallgpt.rowdot or None, "why": the reason it is None
+_building = threading.Lock()
 
 
 def cpu_identity():
@@ -45,22 +47,28 @@ def cpu_identity():
 def rowdot_kernel():
     """torch.ops.smallgpt.rowdot, built on first use, or None where it cannot be (kernel_status() says why)."""
     if "op" not in _kernel:
-        _kernel["op"], _kernel["why"] = None, ""
-        if os.environ.get(KERNEL_OFF, "1") == "0":
-            _kernel["why"] = f"{KERNEL_OFF}=0"
-        elif not sys.platform.startswith("linux"):
-            _kernel["why"] = "built on Linux only"
-        else:
-            try:
-                _kernel["op"] = build_kernel()
-            except Exception as e:  # no compiler, headers, ninja: torch's kernels instead, said once
-                lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
-                reason = next((line for line in lines if any(w in line for w in ("error:", "not found", "required"))),
-                              lines[0].split(":")[0])  # the compiler's own words, else torch's first
-                _kernel["why"] = f"could not be built: {reason[:200]}"
-                print(f"note: rowdot.cpp {_kernel['why']} (a C++ compiler and ninja build it); decoding on a CPU "
-                      "uses torch's slower kernels", file=sys.stderr)
+        with _building:  # (a server's threads: one builds, the others wait for its answer)
+            if "op" not in _kernel:
+                _kernel.update(zip(("op", "why"), find_kernel()))
     return _kernel["op"]
+
+
+def find_kernel():
+    """(op, "") or (None, why not)."""
+    if os.environ.get(KERNEL_OFF, "1") == "0":
+        return None, f"{KERNEL_OFF}=0"
+    if not sys.platform.startswith("linux"):
+        return None, "built on Linux only"
+    try:
+        return build_kernel(), ""
+    except Exception as e:  # no compiler, headers, ninja: torch's kernels instead, said once
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        reason = next((line for line in lines if any(w in line for w in ("error:", "not found", "required"))),
+                      lines[0].split(":")[0])  # the compiler's own words, else torch's first
+        why = f"could not be built: {reason[:200]}"
+        print(f"note: rowdot.cpp {why} (a C++ compiler and ninja build it); decoding on a CPU uses torch's slower "
+              "kernels", file=sys.stderr)
+        return None, why
 
 
 def kernel_status():
@@ -87,7 +95,7 @@ def build_kernel():
     load(name=name, sources=[KERNEL_SOURCE], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
     op = torch.ops.smallgpt.rowdot
     torch.library.register_fake("smallgpt::rowdot", lambda x, weight, scale, bias: x.new_empty(x.size(0), weight.size(0)))
-    torch.library.register_fake("smallgpt::one_query_attention", lambda q, k, v, mask: torch.empty_like(q))
+    torch.library.register_fake("smallgpt::one_query_attention", lambda q, k, v, mask: q.new_empty(q.shape))  # contiguous, as the op's
     attention.kernels.ONE_QUERY["op"] = torch.ops.smallgpt.one_query_attention  # a compiled CPU step's attention
     return op
 
@@ -101,8 +109,9 @@ def reference_rowdot(x, weight, scale=None, bias=None):
         return F.linear(x.float(), weight.float(), bias).to(x.dtype)
     qx, sx = quantize_blocks(x, half_scales=False)
     (M, K), N = x.shape, weight.size(0)
-    wb = F.pad(weight.float(), (0, -K % BLOCK)).view(N, -1, BLOCK).transpose(0, 1)  # (blocks, N, 32)
-    xb = F.pad(qx.float(), (0, -K % BLOCK)).view(M, -1, BLOCK).transpose(0, 1)  # (blocks, M, 32)
+    blocks = -(-K // BLOCK)
+    wb = F.pad(weight.float(), (0, -K % BLOCK)).view(N, blocks, BLOCK).transpose(0, 1)  # (blocks, N, 32)
+    xb = F.pad(qx.float(), (0, -K % BLOCK)).view(M, blocks, BLOCK).transpose(0, 1)  # (blocks, M, 32)
     dots = torch.bmm(xb, wb.transpose(1, 2))  # (blocks, M, N): integers below 2^24, exact in float32
     y = (dots * sx.t()[:, :, None] * scale.float().t()[:, None, :]).sum(0)
     return (y if bias is None else y + bias).to(x.dtype)
@@ -428,7 +437,8 @@ class RowLinear(nn.Linear):
     def forward(self, x):
         if torch.compiler.is_compiling():  # a compiled graph picks its own kernels (inductor cannot lower oneDNN's op),
             op = _kernel.get("op")  # (built when the RowLinear was made: never inside a trace)
-            if x.numel() == x.size(-1) and self.weight.is_contiguous() and op is not None:
+            if (op is not None and x.numel() == x.size(-1) and self.weight.is_contiguous() and x.device.type == "cpu"
+                    and self.weight.dtype in (torch.float32, torch.bfloat16)):
                 # but calls ours for one row (an op with a fake): faster than inductor's extern mm here
                 return op(x.reshape(1, -1), self.weight, None, self.bias).view(*x.shape[:-1], -1)
             return F.linear(x, self.weight, self.bias)
@@ -450,26 +460,27 @@ def quantize_blocks(weight, half_scales=True):
     half_scales=False keeps them in float32 (how rowdot.cpp quantises activations)."""
     w = weight.detach().float()
     N, K = w.shape
-    blocks = F.pad(w, (0, -K % BLOCK)).view(N, -1, BLOCK)
+    blocks = F.pad(w, (0, -K % BLOCK)).view(N, -(-K // BLOCK), BLOCK)  # (sizes given: N may be 0)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127
     v = blocks * torch.where(d == 0, 0.0, 1 / d)
     a = v.abs()
     q = v.sign() * (a.floor() + (2 * (a - a.floor())).floor())  # gguf's np_roundf
     scale = d[..., 0].half() if half_scales else d[..., 0]
-    return q.clamp(-127, 127).to(torch.int8).view(N, -1)[:, :K].contiguous(), scale
+    return q.clamp(-127, 127).to(torch.int8).view(N, -1 if N else 0)[:, :K].contiguous(), scale
 
 
 def dequantize_blocks(q, scale):
     """The float32 weights that int8 blocks and their scales stand for."""
     N, K = q.shape
-    return (F.pad(q.float(), (0, -K % BLOCK)).view(N, -1, BLOCK) * scale.float()[..., None]).view(N, -1)[:, :K]
+    blocks = -(-K // BLOCK)
+    return (F.pad(q.float(), (0, -K % BLOCK)).view(N, blocks, BLOCK) * scale.float()[..., None]).view(N, blocks * BLOCK)[:, :K]
 
 
 class Int8Linear(nn.Module):
     """A Linear for inference with its weight stored as int8 in blocks of 32 along each row, one scale per
     block (quantize_blocks: llama.cpp's Q8_0, so each weight is off by at most half its block's step plus the
-    scale's float16 rounding). Up to DECODE_ROWS rows go through rowdot.cpp, which reads the int8 weights and
-    multiplies them with float32 activations (or torch's same product over dequantised weights where it
+    scale's float16 rounding). Up to DECODE_ROWS rows go through rowdot.cpp, which quantises the activations
+    in blocks too (Q8_0 x Q8_0; reference_rowdot, the same arithmetic in torch and much slower, where it
     cannot run); more rows (a prefill) through a bf16 matmul over the dequantised weights. The result comes
     back in the input's dtype."""
 

@@ -118,7 +118,8 @@ struct QuantisedX {
         const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
         scale[m * blocks + b] = d;
         for (int64_t k = k0; k < k1; ++k) {
-          const float r = std::round(x[m * K + k] * id);  // half away from zero
+          float r = std::round(x[m * K + k] * id);  // half away from zero
+          r = r == r ? std::min(127.f, std::max(-127.f, r)) : 0.f;  // (a NaN in x: no undefined cast)
           q[m * K + k] = static_cast<int8_t>(r);
           value[m * K + k] = r;
         }
@@ -151,7 +152,7 @@ inline float row_times_q8(const int8_t* w, const c10::Half* ws, const QuantisedX
     int32_t two;  // the two blocks' float16 scales
     std::memcpy(&two, ws + b, 4);
     const __m128 pair = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(two)),
-                                   _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(xs + b))));
+                                   _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(xs + b))));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(pair)), acc);
   }
   s = _mm512_reduce_add_ps(acc);
@@ -177,7 +178,9 @@ inline float row_times_q8(const int8_t* w, const c10::Half* ws, const QuantisedX
 at::Tensor rowdot(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& scale,
                   const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "rowdot: x (M, K) and weight (N, K)");
-  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "rowdot: CPU tensors");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && (!scale || scale->device().is_cpu()) &&
+              (!bias || bias->device().is_cpu()), "rowdot: CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "rowdot: x float32 or bfloat16");
   TORCH_CHECK(weight.is_contiguous(), "rowdot: weight must be contiguous (row-major)");
   const auto wt = weight.scalar_type();
   TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16 || wt == at::kChar, "rowdot: weight float32, bfloat16 or int8");
@@ -220,17 +223,20 @@ at::Tensor rowdot(const at::Tensor& x, const at::Tensor& weight, const c10::opti
 }
 
 // One query a row over a decode step's static cache: softmax(q.k / sqrt(D) + mask) v per head, in float32.
-// q (B, H, 1, D); k, v (B, Hkv, K, D), H a multiple of Hkv (grouped heads); mask (B, 1 or H, 1, K): a boolean
+// q (B, H, 1, D); k, v (B, Hkv, K, D), H a multiple of Hkv (grouped heads); mask (B or 1, H or 1, 1, K): a boolean
 // (true: seen) or an additive bias (-inf: hidden). SDPA's CPU kernel calls a small GEMM per head for this,
 // several times this loop's time at one query (docs/benchmarks.md).
 at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
   TORCH_CHECK(q.dim() == 4 && q.size(2) == 1 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(3) == k.size(3) &&
-              q.size(0) == k.size(0) && q.size(1) % k.size(1) == 0, "one_query_attention: q (B, H, 1, D), k and v (B, Hkv, K, D)");
+              q.size(0) == k.size(0) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "one_query_attention: q (B, H, 1, D), k and v (B, Hkv, K, D)");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu() && mask.device().is_cpu(),
+              "one_query_attention: CPU tensors");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "one_query_attention: float32");
   const int64_t B = q.size(0), H = q.size(1), Hkv = k.size(1), K = k.size(2), D = q.size(3);
-  TORCH_CHECK(mask.dim() == 4 && mask.size(0) == B && (mask.size(1) == 1 || mask.size(1) == H) && mask.size(3) == K,
-              "one_query_attention: mask (B, 1 or H, 1, K)");
+  TORCH_CHECK(mask.dim() == 4 && (mask.size(0) == B || mask.size(0) == 1) && (mask.size(1) == 1 || mask.size(1) == H) &&
+              mask.size(2) == 1 && mask.size(3) == K, "one_query_attention: mask (B or 1, H or 1, 1, K)");
   const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous(), mc = mask.contiguous();
   const bool seen = mc.scalar_type() == at::kBool;
   TORCH_CHECK(seen || mc.scalar_type() == at::kFloat, "one_query_attention: a bool or float32 mask");
@@ -241,18 +247,18 @@ at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& k, const a
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p(K);
     for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H, g = h / (H / Hkv), mh = mc.size(1) == 1 ? 0 : h;
+      const int64_t b = bh / H, h = bh % H, g = h / (H / Hkv), mh = mc.size(1) == 1 ? 0 : h, mb = mc.size(0) == 1 ? 0 : b;
       const float* kb = kp + (b * Hkv + g) * K * D;
       const float* vb = vp + (b * Hkv + g) * K * D;
       float top = -INFINITY;
       for (int64_t j = 0; j < K; ++j) {
         float s;
-        if (seen && !mc.data_ptr<bool>()[(b * mc.size(1) + mh) * K + j]) {
+        if (seen && !mc.data_ptr<bool>()[(mb * mc.size(1) + mh) * K + j]) {
           s = -INFINITY;
         } else {
           row_times(kb + j * D, qp + bh * D, 1, D, &s, 1);
           s *= scale;
-          if (!seen) s += mc.data_ptr<float>()[(b * mc.size(1) + mh) * K + j];
+          if (!seen) s += mc.data_ptr<float>()[(mb * mc.size(1) + mh) * K + j];
         }
         p[j] = s;
         top = std::max(top, s);

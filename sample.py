@@ -44,7 +44,7 @@ class SampleConfig(ContextKeys):
     draft: str = ""  # speculative decoding: ngram (prompt lookup) | a smaller model's out_dir or Hugging Face name/directory; "" = off
     num_draft: Optional[int] = None  # tokens the draft proposes per step; None = 4 for ngram, 2 for a model
     crop_prompt: str = "no"  # a prompt longer than block_size: no (refused) | left (keep its last block_size tokens, as nanoGPT)
-    compile: bool = False  # decode through static caches with a torch.compile'd step (CUDA graphs on a GPU) where it measures faster than eager here; the same tokens
+    compile: bool = False  # decode through static caches with a torch.compile'd step (CUDA graphs on a GPU) where it measures faster than eager here; the same tokens but for float rounding
     source: str = ""  # an encoder-decoder's input (FILE:path reads a file): the encoder reads it, the decoder writes from its start token
 
 

@@ -52,19 +52,20 @@ def attention_one_query(q, k, v, mask):
     decode step inductor fuses them into loops of its own, where SDPA's CPU kernel calls a tiny GEMM per head
     (53 us a layer at 12 heads, as long as three of the layer's four weight products: docs/benchmarks.md)."""
     B, H, _, D = q.shape
-    Hkv, K = k.size(1), k.size(2)
-    q = q.view(B, Hkv, H // Hkv, 1, D)  # the heads that share a key, together
+    Hkv, K, dtype = k.size(1), k.size(2), q.dtype
+    q, k, v = q.float(), k.float(), v.float()  # scores and sums in float32, as SDPA keeps them (inductor fuses the casts)
+    q = q.reshape(B, Hkv, H // Hkv, 1, D)  # the heads that share a key, together
     scores = ((q * k[:, :, None]).sum(-1) * (1.0 / math.sqrt(D))).view(B, H, 1, K)
     scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(scores.dtype)
-    weights = F.softmax(scores.float(), dim=-1).to(v.dtype).view(B, Hkv, H // Hkv, K, 1)
-    return (weights * v[:, :, None]).sum(-2).view(B, H, 1, D)
+    weights = F.softmax(scores, dim=-1).view(B, Hkv, H // Hkv, K, 1)
+    return (weights * v[:, :, None]).sum(-2).view(B, H, 1, D).to(dtype)
 
 
 def attention_sdpa(q, k, v, mask, dropout_p=0.0):
     if isinstance(mask, FlexMask):
         return attention_flex(q, k, v, mask)
-    if q.size(2) == 1 and mask is not None and q.device.type == "cpu" and torch.compiler.is_compiling():
-        # a compiled decode step's (dropout is off there): rowdot.cpp's loop where quantize.py built it
+    if (q.size(2) == 1 and mask is not None and q.device.type == "cpu" and dropout_p == 0 and not torch.is_grad_enabled()
+            and torch.compiler.is_compiling()):  # a compiled decode step's: rowdot.cpp's loop where quantize.py built it
         op = ONE_QUERY.get("op") if q.dtype == k.dtype == torch.float32 else None
         return attention_one_query(q, k, v, mask) if op is None else op(q, k, v, mask)
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.size(2) > 1:

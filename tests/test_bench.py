@@ -143,6 +143,9 @@ def test_bad_requests(capsys):
         bench.main(["train", *SHAPE, "--compare=hf", "--rounds=3"])
     assert exit.value.code == 2 and "needs at least 5 interleaved rounds" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit:
+        bench.main(["sample", *SHAPE, "--compare=row_products", "--compile=True", "--prompt_len=8", "--new_tokens=4"])
+    assert exit.value.code == 2 and "compare=row_products times the eager step" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
         bench.main(["sample", *SHAPE, "--prompt_len=60", "--new_tokens=10"])
     assert exit.value.code == 2 and "exceeds block_size=64" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit:

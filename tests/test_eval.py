@@ -188,3 +188,9 @@ def test_int8_weights_score_through_the_decode_kernel_close_to_float32(trained_r
     assert r["weights_dtype"] == "int8" and r["tokens"] == base["tokens"]
     assert rows and max(rows) <= quantize.Int8Linear.DECODE_ROWS
     assert r["loss"] != base["loss"] and abs(r["loss"] - base["loss"]) < 0.02, (r["loss"], base["loss"])
+    rows.clear()  # a batch wider than DECODE_ROWS windows: in groups
+    wide = evaluation.main([f"--out_dir={trained_run}", f"--text={text_file}", "--device=cpu", "--batch_size=20",
+                            "--stride=4", "--weights_dtype=int8"])
+    assert rows and max(rows) <= quantize.Int8Linear.DECODE_ROWS and wide["tokens"] == base["tokens"]
+    done = run_main("eval.py", f"--out_dir={trained_run}", "--tasks=hellaswag", "--weights_dtype=int8")
+    assert done.returncode == 2 and "--tasks scores with float32 weights" in done.stderr
