@@ -111,7 +111,31 @@ struct QuantisedX {
   QuantisedX(const float* x, int64_t M_, int64_t K_)
       : M(M_), K(K_), blocks((K_ + BLOCK - 1) / BLOCK), q(M_ * K_), value(M_ * K_), scale(M_ * blocks), minus(M_ * (K_ / 4)) {
     for (int64_t m = 0; m < M; ++m) {
-      for (int64_t b = 0; b < blocks; ++b) {
+      int64_t b = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+      // whole blocks sixteen lanes at a time (the scalar loop below costs a decode step 0.25 ms at 12x768):
+      // the same arithmetic, rounding as floor(a) + floor(2 (a - floor(a))), exact in float32
+      const __m512 sign = _mm512_set1_ps(-0.f), top = _mm512_set1_ps(127.f);
+      for (; (b + 1) * BLOCK <= K; ++b) {
+        const float* xb = x + m * K + b * BLOCK;
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        if (!(amax == amax)) break;  // a NaN: the scalar loop's handling
+        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        scale[m * blocks + b] = d;
+        for (int half = 0; half < 2; ++half) {
+          const __m512 v = _mm512_mul_ps(half ? x1 : x0, _mm512_set1_ps(id)), a = _mm512_abs_ps(v);
+          const __m512 f = _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+          const __m512 twice = _mm512_add_ps(_mm512_sub_ps(a, f), _mm512_sub_ps(a, f));
+          __m512 r = _mm512_min_ps(_mm512_add_ps(f, _mm512_roundscale_ps(twice, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)), top);
+          r = _mm512_or_ps(r, _mm512_and_ps(v, sign));  // v's sign back
+          const int64_t k = m * K + b * BLOCK + 16 * half;
+          _mm512_storeu_ps(&value[k], r);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(&q[k]), _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(r)));
+        }
+      }
+#endif
+      for (; b < blocks; ++b) {
         const int64_t k0 = b * BLOCK, k1 = std::min<int64_t>(K, k0 + BLOCK);
         float amax = 0.f;
         for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::abs(x[m * K + k]));
