@@ -213,7 +213,11 @@ def compiled_step(model, device_type):
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         if STATIC_BACKEND == "inductor":
             # CUDA graphs on a GPU (what mode="reduce-overhead" sets); on a CPU, a C++ wrapper calls the kernels
-            options.update({"triton.cudagraphs": True} if device_type == "cuda" else {"cpp_wrapper": CPP_WRAPPER})
+            # CPU: inductor's own kernels here are the small ones (norms, rope, the cache's writes, argmax; the
+            # products and attention are rowdot.cpp's), and vectorising them costs 6.7 s of a 6x384 step's cold
+            # compile (17.7 -> 11.0 s) for no speed a token measures (docs/benchmarks.md)
+            options.update({"triton.cudagraphs": True} if device_type == "cuda" else
+                           {"cpp_wrapper": CPP_WRAPPER, "cpp.vec_isa_ok": False})
         _compiled[model] = key, torch.compile(decode_one_token, fullgraph=True, dynamic=False, backend=STATIC_BACKEND,
                                               options=options, isolate_recompiles=True)
     return _compiled[model][1]
