@@ -352,3 +352,27 @@ def test_the_interactive_chat_streams_clears_and_exits(sft_run, monkeypatch, cap
     assert replies[0] == replies[1]  # after /clear the same greedy reply to the same first turn
     assert "(a new conversation)" in err and "/clear starts over, /exit ends" in err
     assert next(lines) == "never read"
+
+
+def test_chat_tasks_rl_prompts_ask_nothing_training_asked_and_change_no_other_file(tmp_path):
+    """--rl=N (issue 57's fresh prompts): questions from the training pools that no training conversation
+    asks, answers right by construction, and train.jsonl and val.jsonl as they are without it."""
+    (tmp_path / "play.txt").write_text(PLAY * 40)
+    for out, extra in (("plain", []), ("rl", ["--rl=40"])):
+        result = run_main("data/chat_tasks/prepare.py", f"--input={tmp_path / 'play.txt'}", f"--out_dir={tmp_path / out}",
+                          "--train=100", "--val=20", *extra)
+        assert result.returncode == 0, result.stderr
+    for name in ("train.jsonl", "val.jsonl"):
+        assert (tmp_path / "plain" / name).read_bytes() == (tmp_path / "rl" / name).read_bytes()
+    asked = {m["content"] for line in (tmp_path / "rl" / "train.jsonl").open() for m in json.loads(line)["messages"]
+             if m["role"] == "user"}
+    rl = [json.loads(line) for line in (tmp_path / "rl" / "rl.jsonl").open()]
+    assert 0 < len(rl) <= 40 and "RL prompts" in result.stdout
+    for r in rl:
+        question, answer = r["messages"][-2]["content"], r["messages"][-1]["content"]
+        assert question not in asked and len([m for m in r["messages"] if m["role"] == "user"]) == 1
+        if r["task"] == "reverse":
+            assert answer == question.split()[1][::-1]
+    assert len({r["messages"][-2]["content"] for r in rl}) == len(rl)  # each asked once
+    bad = run_main("data/chat_tasks/prepare.py", f"--input={tmp_path / 'play.txt'}", f"--out_dir={tmp_path / 'x'}", "--rl=-1")
+    assert bad.returncode == 2 and "--rl=-1" in bad.stderr

@@ -18,6 +18,8 @@ task: on held-out text its exact match is about 0 for any model of this size, so
 
 Writes train.jsonl and val.jsonl here (a "task" field beside "messages": what eval.py --chats scores per
 task) and, with --tokenizer_from, the dataset data/chat_tasks that train.py reads (data/prepare.py's).
+--rl=N also writes rl.jsonl: prompts for reinforcement learning whose questions come from the training
+pools but no training conversation asks them (the same train and val files with it or without).
 """
 
 import argparse
@@ -63,8 +65,10 @@ def speeches(text):
     return out
 
 
-def make_tasks(text, rng, n_train, n_val):
-    """(train, val): lists of {"task", "messages"}."""
+def make_tasks(text, rng, n_train, n_val, n_rl=0):
+    """(train, val, rl): lists of {"task", "messages"}; rl (n_rl, drawn after the others, so that they are
+    the same with it or without) asks, from the training pools, only questions no training conversation asks
+    (RL rewards what a fine-tune has not seen; a task whose pool the training set exhausts gets none)."""
     cut = int(len(text) * 0.9)
     parts = {"train": speeches(text[:cut]), "val": speeches(text[cut:])}
     common = {s for s, _ in parts["train"]}  # speakers of val lines must be ones training has seen
@@ -108,7 +112,22 @@ def make_tasks(text, rng, n_train, n_val):
             messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
             conversations.append({"task": task, "messages": messages})
         out[split] = conversations
-    return out["train"], out["val"]
+    asked = {m["content"] for c in out["train"] for m in c["messages"] if m["role"] == "user"}
+    rl, open_tasks = [], list(tasks)
+    while len(rl) < n_rl and open_tasks:
+        task = open_tasks[len(rl) % len(open_tasks)]
+        for _ in range(1000):  # a fresh question, or the task's pool is spent
+            question, answer = exchange(task, "train")
+            if question not in asked:
+                break
+        else:
+            open_tasks.remove(task)
+            continue
+        asked.add(question)
+        messages = [{"role": "system", "content": SYSTEM}] if rng.random() < 1 / 3 else []
+        rl.append({"task": task, "messages": messages + [{"role": "user", "content": question},
+                                                         {"role": "assistant", "content": answer}]})
+    return out["train"], out["val"], rl
 
 
 def main():
@@ -119,16 +138,24 @@ def main():
     parser.add_argument("--train", type=int, default=20_000, help="training conversations")
     parser.add_argument("--val", type=int, default=3125, help="held-out conversations: 625 per task, so one task's exact "
                         "match has a standard error of at most 0.02 (--train=5000 --val=250 makes the sets of before)")
+    parser.add_argument("--rl", type=int, default=0, help="also rl.jsonl: this many prompts for reinforcement learning, "
+                        "questions from the training pools that no training conversation asks (its answer is the last turn)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     try:
         text = fetch_text(args.input or quick_start_text(), URL, os.path.join(HERE, "input.txt"))
-        train, val = make_tasks(text, random.Random(args.seed), args.train, args.val)
+        if args.rl < 0:
+            raise UserError(f"--rl={args.rl}: give a number of prompts >= 0")
+        train, val, rl = make_tasks(text, random.Random(args.seed), args.train, args.val, args.rl)
         os.makedirs(args.out_dir, exist_ok=True)
-        for name, conversations in (("train", train), ("val", val)):
+        for name, conversations in (("train", train), ("val", val)) + ((("rl", rl),) if args.rl else ()):
             with open(os.path.join(args.out_dir, f"{name}.jsonl"), "w") as f:
                 f.writelines(json.dumps(c) + "\n" for c in conversations)
         print(f"{len(train):,} train and {len(val):,} val conversations -> {args.out_dir}/{{train,val}}.jsonl")
+        if args.rl:
+            per_task = {t: sum(c["task"] == t for c in rl) for t in dict.fromkeys(c["task"] for c in train)}
+            print(f"{len(rl):,} RL prompts no training conversation asks -> {args.out_dir}/rl.jsonl ("
+                  + ", ".join(f"{t} {n}" for t, n in per_task.items()) + ")")
         if args.tokenizer_from:
             stats = prepare_conversations([c["messages"] for c in train], run_tokenizer(args.tokenizer_from), args.out_dir,
                                           val=[c["messages"] for c in val])
