@@ -108,10 +108,7 @@ def reference_rowdot(x, weight, scale=None, bias=None):
     if scale is None:
         return F.linear(x.float(), weight.float(), bias).to(x.dtype)
     qx, sx = quantize_blocks(x, half_scales=False)
-    (M, K), N = x.shape, weight.size(0)
-    blocks = -(-K // BLOCK)
-    wb = F.pad(weight.float(), (0, -K % BLOCK)).view(N, blocks, BLOCK).transpose(0, 1)  # (blocks, N, 32)
-    xb = F.pad(qx.float(), (0, -K % BLOCK)).view(M, blocks, BLOCK).transpose(0, 1)  # (blocks, M, 32)
+    wb, xb = in_blocks(weight.float()).transpose(0, 1), in_blocks(qx.float()).transpose(0, 1)  # (blocks, N or M, 32)
     dots = torch.bmm(xb, wb.transpose(1, 2))  # (blocks, M, N): integers below 2^24, exact in float32
     y = (dots * sx.t()[:, :, None] * scale.float().t()[:, None, :]).sum(0)
     return (y if bias is None else y + bias).to(x.dtype)
@@ -453,27 +450,32 @@ class RowLinear(nn.Linear):
 BLOCK = 32  # int8 weights per scale (llama.cpp's Q8_0)
 
 
+def in_blocks(t):
+    """t (rows, K) as (rows, ceil(K / 32), 32): its rows in blocks of BLOCK, the last one padded with zeros."""
+    N, K = t.shape
+    return F.pad(t, (0, -K % BLOCK)).view(N, -(-K // BLOCK), BLOCK)  # (sizes given: N may be 0)
+
+
 def quantize_blocks(weight, half_scales=True):
     """(int8 (N, K), float16 scales (N, ceil(K / 32))): each row in blocks of 32 weights, one scale per block,
     as llama.cpp's Q8_0 makes them (gguf's quantize, bit for bit: the scale amax / 127 kept in float16, each
     weight rounded half away from zero); a last, partial block takes the scale of its own weights.
     half_scales=False keeps them in float32 (how rowdot.cpp quantises activations)."""
     w = weight.detach().float()
-    N, K = w.shape
-    blocks = F.pad(w, (0, -K % BLOCK)).view(N, -(-K // BLOCK), BLOCK)  # (sizes given: N may be 0)
+    K = w.size(1)
+    blocks = in_blocks(w)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127
     v = blocks * torch.where(d == 0, 0.0, 1 / d)
     a = v.abs()
     q = v.sign() * (a.floor() + (2 * (a - a.floor())).floor())  # gguf's np_roundf
     scale = d[..., 0].half() if half_scales else d[..., 0]
-    return q.clamp(-127, 127).to(torch.int8).view(N, -1 if N else 0)[:, :K].contiguous(), scale
+    return q.clamp(-127, 127).to(torch.int8).flatten(1)[:, :K].contiguous(), scale
 
 
 def dequantize_blocks(q, scale):
     """The float32 weights that int8 blocks and their scales stand for."""
-    N, K = q.shape
-    blocks = -(-K // BLOCK)
-    return (F.pad(q.float(), (0, -K % BLOCK)).view(N, blocks, BLOCK) * scale.float()[..., None]).view(N, blocks * BLOCK)[:, :K]
+    K = q.size(1)
+    return (in_blocks(q.float()) * scale.float()[..., None]).flatten(1)[:, :K]
 
 
 class Int8Linear(nn.Module):
