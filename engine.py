@@ -20,7 +20,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from generate import next_logits, sample_next, without_static_step
+from generate import next_logits, row_batch, sample_next
 from tokenizer import continuation
 
 
@@ -317,100 +317,3 @@ def sample_rows(logits, samplings, generators):
         index = torch.tensor(rows, device=logits.device)
         tokens[index] = sample_next(logits[index], sampling, [generators[i] for i in rows])[:, 0]
     return tokens
-
-
-class BatchRows:
-    """Up to max_rows sequences in one set of static caches, each row at its own length.
-
-    A step is one GPT.decode_static over rows 0..n-1 (attention for every row in one call per layer, one
-    mask). A sequence joins at row n (its prefill's cache copied in) and one that ends has the last row
-    moved into its place, so a step takes views, never copies. Full layers hold the longest row's
-    positions, rounded up to a power of two (from 16) and at most block_size: memory is at most max_rows x
-    block_size positions per full layer, a window's ring or a linear layer's sums per row for the others."""
-
-    def __init__(self, model, max_rows):
-        self.model, self.max_rows, self.layers, self.n, self.capacity = model, max_rows, None, 0, 0
-
-    def fit(self, length):
-        capacity = 16
-        while capacity < length:
-            capacity *= 2
-        return min(capacity, self.model.config.block_size)
-
-    def reserve(self, length):
-        """Room for positions up to length - 1 in every row."""
-        if self.layers is not None and length > self.capacity:
-            self.capacity = self.fit(length)
-            self.layers = [layer.grow(self.capacity) for layer in self.layers]
-
-    def add(self, cache):
-        """A prefilled sequence (its dynamic KVCache) joins; returns its row."""
-        if self.layers is None:
-            self.capacity = self.fit(cache.length + 1)
-        self.reserve(cache.length + 1)
-        rows = [block.attn.static_cache(layer, cache.length, self.capacity) for block, layer in zip(self.model.blocks, cache.layers)]
-        if self.layers is None:
-            self.layers = [type(row).batch(row, self.max_rows) for row in rows]
-        for layer, row in zip(self.layers, rows):
-            layer.put(self.n, row)
-        self.n += 1
-        return self.n - 1
-
-    def remove(self, row):
-        """Row `row` leaves; the last row takes its place (the caller moves its own record the same way)."""
-        self.n -= 1
-        if row != self.n:
-            for layer in self.layers:
-                layer.move(self.n, row)
-
-    def decode(self, tokens, positions):
-        """tokens (n, 1) at positions (a list of n ints) -> logits (n, vocab).
-
-        Full layers attend over the positions up to the longest row's, not their whole capacity."""
-        return self.model.decode_static(*self.inputs(tokens, positions))
-
-    def decode_and_prefill(self, tokens, positions, idx, cache, last=1):
-        """decode(), and in the same pass idx (1, T) into a joining sequence's own cache.
-
-        decode(), and in the same pass idx (1, T) into a joining sequence's own cache (GPT.decode_and_prefill)
-        -> (logits (n, vocab), idx's last `last` logits (1, last, vocab))."""
-        return self.model.decode_and_prefill(*self.inputs(tokens, positions), idx, cache, last)
-
-    def inputs(self, tokens, positions):
-        length = max(positions) + 1
-        self.reserve(length)
-        pos = torch.tensor(positions, device=tokens.device)
-        return tokens, pos, [layer.rows(self.n, length) for layer in self.layers]
-
-
-class DynamicRows:
-    """BatchRows for models with a kind that has no StaticCache: a dynamic cache per row.
-
-    Each row keeps its own dynamic cache and GPT.decode_rows runs attention row by row (the
-    projections and MLPs still once for the batch)."""
-
-    def __init__(self, model, max_rows):
-        self.model, self.caches = model, []
-
-    def add(self, cache):
-        self.caches.append(cache)
-        return len(self.caches) - 1
-
-    def remove(self, row):
-        last = self.caches.pop()
-        if row < len(self.caches):
-            self.caches[row] = last
-
-    def decode(self, tokens, positions):
-        return self.model.decode_rows(tokens, self.caches)
-
-    def decode_and_prefill(self, tokens, positions, idx, cache, last=1):
-        """decode() and the prefill of idx, one after the other (decode_rows has no shared pass)."""
-        return self.decode(tokens, positions), self.model.forward_cached(idx, cache, last)
-
-
-def row_batch(model, max_rows):
-    """The batch a server decodes its requests in: BatchRows where every layer's kind has a StaticCache (an
-    encoder-decoder's rows each cross-attend to their own source: DynamicRows)."""
-    dynamic = without_static_step(model) or model.config.family != "decoder"
-    return (DynamicRows if dynamic else BatchRows)(model, max_rows)

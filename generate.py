@@ -124,7 +124,7 @@ def next_logits(model, seq, length, cache=None, source=None, pad_mask=None):
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, sampling=Sampling(), *, eos_token_id=None, use_cache=True, generator=None,
-             step=None, source=None, pad_mask=None):
+             step=None, source=None, pad_mask=None, lengths=None):
     """Continues each row of idx (B, T; rows of equal length) by up to max_new_tokens tokens.
 
     Returns (B, T + new). Call model.eval() first, or dropout stays on. With the cache, the prompt runs
@@ -137,15 +137,19 @@ def generate(model, idx, max_new_tokens, sampling=Sampling(), *, eos_token_id=No
     generator: None, a torch.Generator, or a list of one per row (row i then draws exactly the tokens
     a batch of one with that generator would). step: as stream's (StaticDecode: the compiled step).
     Speculative decoding: speculative.generate. source (B, S): an encoder-decoder's source ids (pad_mask:
-    True on their real tokens), encoded once; idx then starts the decoder (T5: its pad id, 0)."""
+    True on their real tokens), encoded once; idx then starts the decoder (T5: its pad id, 0).
+
+    lengths: prompts of different lengths in one call (stream_rows): row b's prompt is idx[b, :lengths[b]]
+    (what follows it is padding, never read), and its new tokens are columns T.. of the result as for
+    every row."""
     columns = stream(model, idx, max_new_tokens, sampling, eos_token_id=eos_token_id, use_cache=use_cache,
-                     generator=generator, step=step, source=source, pad_mask=pad_mask)
+                     generator=generator, step=step, source=source, pad_mask=pad_mask, lengths=lengths)
     return torch.cat([idx, *columns], dim=1)
 
 
 @torch.no_grad()
 def stream(model, idx, max_new_tokens, sampling=Sampling(), *, eos_token_id=None, use_cache=True, generator=None,
-           step=None, source=None, pad_mask=None):
+           step=None, source=None, pad_mask=None, lengths=None):
     """generate() one step at a time: yields each new (B, 1) column of tokens as soon as it exists.
 
 
@@ -154,6 +158,12 @@ def stream(model, idx, max_new_tokens, sampling=Sampling(), *, eos_token_id=None
     leaves the cache holding the sequence up to, at most, the new tokens' last."""
     check_max_new_tokens(max_new_tokens)
     generator = list(generator) if isinstance(generator, (list, tuple)) else generator
+    if lengths is not None:
+        if step is not None or source is not None or not use_cache:
+            raise ValueError("lengths (prompts of different lengths) decodes through each row's cache: "
+                             "no step, source or use_cache=False with it")
+        yield from stream_rows(model, idx, lengths, max_new_tokens, sampling, eos_token_id, generator)
+        return
     B, T = idx.shape
     seq = torch.empty(B, T + max_new_tokens, dtype=idx.dtype, device=idx.device)
     seq[:, :T] = idx
@@ -173,6 +183,147 @@ def stream(model, idx, max_new_tokens, sampling=Sampling(), *, eos_token_id=None
             yield token
             if eos_token_id is not None and bool(finished.all()):
                 return
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rows decoded together, each at its own length: a server's batch (engine.py) and prompts of different
+# lengths in one generate() call (stream_rows)
+
+
+class BatchRows:
+    """Up to max_rows sequences in one set of static caches, each row at its own length.
+
+    A step is one GPT.decode_static over rows 0..n-1 (attention for every row in one call per layer, one
+    mask). A sequence joins at row n (its prefill's cache copied in) and one that ends has the last row
+    moved into its place, so a step takes views, never copies. Full layers hold the longest row's
+    positions, rounded up to a power of two (from 16) and at most block_size: memory is at most max_rows x
+    block_size positions per full layer, a window's ring or a linear layer's sums per row for the others."""
+
+    def __init__(self, model, max_rows):
+        self.model, self.max_rows, self.layers, self.n, self.capacity = model, max_rows, None, 0, 0
+
+    def fit(self, length):
+        capacity = 16
+        while capacity < length:
+            capacity *= 2
+        return min(capacity, self.model.config.block_size)
+
+    def reserve(self, length):
+        """Room for positions up to length - 1 in every row."""
+        if self.layers is not None and length > self.capacity:
+            self.capacity = self.fit(length)
+            self.layers = [layer.grow(self.capacity) for layer in self.layers]
+
+    def add(self, cache):
+        """A prefilled sequence (its dynamic KVCache) joins; returns its row."""
+        if self.layers is None:
+            self.capacity = self.fit(cache.length + 1)
+        self.reserve(cache.length + 1)
+        rows = [block.attn.static_cache(layer, cache.length, self.capacity) for block, layer in zip(self.model.blocks, cache.layers)]
+        if self.layers is None:
+            self.layers = [type(row).batch(row, self.max_rows) for row in rows]
+        for layer, row in zip(self.layers, rows):
+            layer.put(self.n, row)
+        self.n += 1
+        return self.n - 1
+
+    def remove(self, row):
+        """Row `row` leaves; the last row takes its place (the caller moves its own record the same way)."""
+        self.n -= 1
+        if row != self.n:
+            for layer in self.layers:
+                layer.move(self.n, row)
+
+    def decode(self, tokens, positions):
+        """tokens (n, 1) at positions (a list of n ints) -> logits (n, vocab).
+
+        Full layers attend over the positions up to the longest row's, not their whole capacity."""
+        return self.model.decode_static(*self.inputs(tokens, positions))
+
+    def decode_and_prefill(self, tokens, positions, idx, cache, last=1):
+        """decode(), and in the same pass idx (1, T) into a joining sequence's own cache.
+
+        decode(), and in the same pass idx (1, T) into a joining sequence's own cache (GPT.decode_and_prefill)
+        -> (logits (n, vocab), idx's last `last` logits (1, last, vocab))."""
+        return self.model.decode_and_prefill(*self.inputs(tokens, positions), idx, cache, last)
+
+    def inputs(self, tokens, positions):
+        length = max(positions) + 1
+        self.reserve(length)
+        pos = torch.tensor(positions, device=tokens.device)
+        return tokens, pos, [layer.rows(self.n, length) for layer in self.layers]
+
+
+class DynamicRows:
+    """BatchRows for models with a kind that has no StaticCache: a dynamic cache per row.
+
+    Each row keeps its own dynamic cache and GPT.decode_rows runs attention row by row (the
+    projections and MLPs still once for the batch)."""
+
+    def __init__(self, model, max_rows):
+        self.model, self.caches = model, []
+
+    def add(self, cache):
+        self.caches.append(cache)
+        return len(self.caches) - 1
+
+    def remove(self, row):
+        last = self.caches.pop()
+        if row < len(self.caches):
+            self.caches[row] = last
+
+    def decode(self, tokens, positions):
+        return self.model.decode_rows(tokens, self.caches)
+
+    def decode_and_prefill(self, tokens, positions, idx, cache, last=1):
+        """decode() and the prefill of idx, one after the other (decode_rows has no shared pass)."""
+        return self.decode(tokens, positions), self.model.forward_cached(idx, cache, last)
+
+
+def stream_rows(model, idx, lengths, max_new_tokens, sampling, eos_token_id=None, generator=None):
+    """stream() for prompts of different lengths: row b's prompt is idx[b, :lengths[b]].
+
+    Each prompt is prefilled alone (rows with the same prompt once, when the batch copies caches in: a
+    GRPO group's samples share theirs), then every row decodes in one batch at its own position
+    (row_batch: the server's). No padding token is ever read, so row b draws the tokens it would alone, up
+    to the rounding of a batched product; the noise is drawn as stream() draws it, one (B, vocab) block a step."""
+    B, T = idx.shape
+    lengths = [int(n) for n in lengths]
+    if len(lengths) != B or min(lengths, default=1) < 1 or max(lengths, default=1) > T:
+        raise ValueError(f"lengths must give each of the {B} rows a prompt length in 1..{T}; got {lengths}")
+    limit = model.config.context_limit
+    if limit is not None and max(lengths) + max_new_tokens - 1 > limit:
+        raise ValueError(f"a prompt of {max(lengths)} tokens and {max_new_tokens} new ones pass block_size={limit}: rows of "
+                         "different lengths decode within the context; lower max_new_tokens")
+    batch = row_batch(model, B)
+    first, prefilled = [], {}
+    for b, n in enumerate(lengths):
+        key = tuple(idx[b, :n].tolist()) if isinstance(batch, BatchRows) else b  # (DynamicRows keeps each row's cache itself)
+        if key not in prefilled:
+            cache = model.new_cache()
+            prefilled[key] = (cache, model.forward_cached(idx[b : b + 1, :n], cache)[0, -1])
+        cache, logits = prefilled[key]
+        batch.add(cache)
+        first.append(logits)
+    logits, positions = torch.stack(first), lengths
+    finished = torch.zeros(B, 1, dtype=torch.bool, device=idx.device)
+    for n in range(max_new_tokens):
+        token = sample_next(logits, sampling, generator)
+        if eos_token_id is not None:
+            token = token.masked_fill(finished, eos_token_id)
+            finished |= token == eos_token_id
+        yield token
+        if n == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
+            return
+        logits = batch.decode(token, positions)
+        positions = [p + 1 for p in positions]
+
+
+def row_batch(model, max_rows):
+    """The batch a server decodes its requests in: BatchRows where every layer's kind has a StaticCache (an
+    encoder-decoder's rows each cross-attend to their own source: DynamicRows)."""
+    dynamic = without_static_step(model) or model.config.family != "decoder"
+    return (DynamicRows if dynamic else BatchRows)(model, max_rows)
 
 
 # ----------------------------------------------------------------------------------------------------

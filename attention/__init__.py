@@ -41,9 +41,9 @@ base.py's Attention, over the kind's mix and decode_one):
 
   path            tokens                                    cache                   caller
   forward         a batch at one position                   the kind's Cache, None  GPT.forward, forward_cached
-  forward_rows    one token per row, each at its position   one Cache per row       GPT.decode_rows (engine.py)
+  forward_rows    one token per row, each at its position   one Cache per row       GPT.decode_rows (DynamicRows)
   forward_static  one token per row, each at its position   StaticCache (rows)      GPT.decode_static (StaticDecode,
-                                                                                    engine.BatchRows)
+                                                                                    generate.BatchRows)
   forward_mixed   decode rows + one prompt's chunk          StaticCache + Cache     GPT.decode_and_prefill (engine.py)
 
 The files: kernels.py (SDPA, the explicit masked softmax kept as its reference, FlexAttention for windows

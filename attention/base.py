@@ -138,7 +138,7 @@ def row_of(gates, i):
 class StaticRows:
     """What every StaticCache shares: its tensors (`fields`, the batch first) as rows of a batch.
 
-    A server's batch (engine.BatchRows) takes views of the rows, fills, moves and allocates them."""
+    A server's batch (generate.BatchRows) takes views of the rows, fills, moves and allocates them."""
 
     fields = ()
 

@@ -6,7 +6,8 @@ import torch
 
 from checkpoint import load_any
 from conftest import build
-from engine import RIDE_MIN, BatchRows, DynamicRows, Engine, Job, row_batch, sample_rows
+from engine import RIDE_MIN, Engine, Job, sample_rows
+from generate import BatchRows, DynamicRows, row_batch
 from generate import Sampling, sample_next
 
 

@@ -156,6 +156,37 @@ def test_per_row_generators_match_single_rows():
     assert len({tuple(row.tolist()) for row in batch}) > 1
 
 
+@pytest.mark.parametrize("case", ["learned", "rope gqa", "window and full", "gated delta rule and full"])
+def test_prompts_of_different_lengths_decode_in_one_call_as_each_alone(case):
+    """generate(lengths=...): row b's prompt is idx[b, :lengths[b]] (what follows is padding, never read);
+    greedy and per-row-seeded samples equal one-row generate() (rows sharing a prompt share its prefill),
+    and eos pads a finished row as in the equal-length loop."""
+    model = build(**STATIC_CASES[case])
+    prompts = [torch.randint(0, 61, (n,)) for n in (3, 7, 3, 11)]
+    prompts[2] = prompts[0]
+    idx = torch.full((4, 11), 60)  # a pad id the rows would notice if they read it
+    for b, p in enumerate(prompts):
+        idx[b, : len(p)] = p
+    lengths = [len(p) for p in prompts]
+    for sampling in (GREEDY, Sampling(temperature=1.0)):
+        seeds = [torch.Generator().manual_seed(7 + b) for b in range(4)]
+        out = model.generate(idx, 9, sampling, lengths=lengths, generator=seeds)
+        for b, p in enumerate(prompts):
+            alone = model.generate(p[None], 9, sampling, generator=[torch.Generator().manual_seed(7 + b)])
+            assert torch.equal(out[b, 11:], alone[0, len(p) :]), (case, sampling, b)
+    free = model.generate(idx, 9, GREEDY, lengths=lengths)
+    eos = int(free[1, 13])  # row 1's third new token
+    stopped = model.generate(idx, 9, GREEDY, lengths=lengths, eos_token_id=eos)
+    for b in range(4):
+        hits = (free[b, 11:] == eos).nonzero()
+        end = 11 + (hits[0].item() + 1 if len(hits) else 9)
+        assert torch.equal(stopped[b, 11:end], free[b, 11:end]) and (stopped[b, end:] == eos).all()
+    with pytest.raises(ValueError, match="prompt length in 1..11"):
+        model.generate(idx, 2, GREEDY, lengths=[3, 0, 3, 11])
+    with pytest.raises(ValueError, match="lower max_new_tokens"):
+        model.generate(idx, model.config.block_size, GREEDY, lengths=lengths)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The static-cache decode step (generate.StaticDecode): the eager loop's tokens
 
