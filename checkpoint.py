@@ -1,6 +1,7 @@
 """
-Checkpoints, shared by train.py, sample.py, bench.py and export.py, and load_any: the one way every
-script loads a model (a training run, a Hugging Face directory, a pretrained name).
+Checkpoints, shared by train.py, rl.py, sample.py, bench.py and export.py, and load_any: the one way every
+script loads a model (a training run, a Hugging Face directory, a pretrained name). And what else a run
+keeps beside its checkpoint: its lock, its log (Logger: metrics.jsonl), how it stops (StopRequest).
 
 A checkpoint holds only tensors, numbers, strings, lists and dicts, so it loads with
 torch.load(weights_only=True): a file that needs arbitrary unpickling (code execution) is refused.
@@ -13,7 +14,9 @@ import io
 import json
 import os
 import pickle
+import signal
 import socket
+import sys
 import time
 import zipfile
 from dataclasses import asdict, dataclass, replace
@@ -23,7 +26,7 @@ import torch
 
 import gguf_file
 import lora
-from configurator import UserError, checked
+from configurator import ConfigError, UserError, checked
 from dataset import atomic_write
 from hf import GPT2_HUB_NAMES, pretrained_tokenizer
 from model import GPT, GPTConfig
@@ -129,13 +132,15 @@ class RunState:
         state = {
             "format": FORMAT, "model": model_state, "optimizer": optim_state, "lora": run.lora,
             "scaler": run.scaler.state_dict() if run.scaler.is_enabled() else None,
-            "model_config": asdict(run.model_config), "train_config": asdict(run.train_config),
+            "model_config": asdict(run.model_config),
+            "train_config": run.train_config if isinstance(run.train_config, dict) else asdict(run.train_config),  # (rl.py's: a dict)
             "tokenizer": run.data_meta["tokenizer"], "iter_num": self.iter_num, "best_val_loss": self.best_val,
             "evaluated_at": self.evaluated_at, "sampler": run.train_batches.state_dict(),
             "rng": {"cpu": [r[0] for r in rng], "cuda": [r[1] for r in rng], "mps": [r[2] for r in rng]},
             "metrics_bytes": logger.durable_size(), "elapsed": self.elapsed(),
             "precision": {"dtype": run.dtype, "newton_schulz": str(run.newton_schulz).removeprefix("torch."),
                           "device_type": run.device_type},
+            **getattr(run, "extra_state", {}),  # rl.py's: its own config and the model it started from
         }  # fmt: skip
         save_checkpoint(path, state)
 
@@ -320,3 +325,127 @@ class RunLock:
             os.ftruncate(self.fd, 0)
             os.close(self.fd)  # closing releases the flock
             self.fd = None
+
+# ----------------------------------------------------------------------------------------------------
+# Logging
+
+
+class Logger:
+    """Plain lines (or a tqdm bar on a terminal), metrics.jsonl with every value, wandb when asked.
+
+    Only rank 0 logs."""
+
+    def __init__(self, c, out_dir, start_iter, metrics_bytes, active):
+        self.active = active
+        self.bar = self.wandb = self.file = None
+        if not active:
+            return
+        if c.wandb_log:  # first: a wandb that cannot start must not cost the run its metrics file
+            import wandb
+
+            try:
+                self.wandb = wandb.init(project=c.wandb_project, name=c.wandb_run_name, config=asdict(c),
+                                        resume="allow")
+            except Exception as e:  # not logged in, no network, a bad project: wandb's own exception types
+                reason = (str(e).strip().splitlines() or [""])[0]
+                raise ConfigError(f"wandb_log=True but wandb could not start ({type(e).__name__}: {reason}); run "
+                                  "`wandb login`, or set WANDB_MODE=offline to log locally (wandb sync later)") from None
+        path = os.path.join(out_dir, METRICS)
+        if metrics_bytes is not None and os.path.exists(path):
+            with open(path, "r+b") as f:  # drop what the interrupted run logged after its checkpoint
+                f.truncate(metrics_bytes)
+        elif metrics_bytes is None and os.path.exists(path):
+            os.remove(path)
+        self.file = open(path, "a", buffering=1)  # line-buffered: `tail -f metrics.jsonl` follows the run
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=c.max_iters, initial=start_iter, dynamic_ncols=True)
+
+    def print(self, text):
+        if self.active:
+            (self.bar.write if self.bar else print)(text, flush=True)
+
+    def log(self, record, line):
+        if not self.active:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        if self.bar:
+            self.bar.set_postfix_str(line, refresh=False)
+        else:
+            print(line, flush=True)
+        if self.wandb:
+            self.wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
+
+    def tick(self):
+        """One step done: the progress bar moves."""
+        if self.bar:
+            self.bar.update(1)
+
+    def durable_size(self):
+        """Flushes metrics.jsonl to disk and returns its size, which the checkpoint records."""
+        if not self.active:
+            return None
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        return self.file.tell()
+
+    def close(self):
+        if self.bar:
+            self.bar.close()
+        if self.file:
+            self.file.close()
+        if self.wandb:
+            self.wandb.finish()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Stopping a run: signals, and the second Ctrl-C's way out (train.py and rl.py)
+
+
+class StopRequest:
+    """SIGINT/SIGTERM/SIGUSR1: the first stops the loop after this step, the second aborts at once.
+
+    SIGUSR1 is SLURM's warning before a job's time runs out (sbatch --signal=USR1@120). Installed
+    while the loop runs; the old handlers come back on close()."""
+
+    SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
+
+    def __init__(self, logger, exit_out_dir=None):
+        """Installs the handlers.
+
+        exit_out_dir: set by train.py's own command line. After a stop request, a second signal even
+        during the exit (logs closing, threads joined, atexit callbacks, where Python can only print
+        "Exception ignored in ...") then ends the process with the documented line; None (a run inside
+        another program): the old handlers come back on close()."""
+        self.logger, self.exit_out_dir, self.signum = logger, exit_out_dir, None
+        self.previous = {s: signal.signal(s, self.on_signal) for s in self.SIGNALS}
+
+    def on_signal(self, signum, frame):
+        if self.signum is not None:  # a second Ctrl-C: the user wants out now
+            raise KeyboardInterrupt
+        self.signum = signum
+        self.logger.print(f"{signal.Signals(signum).name}: stopping after this step or evaluation batch (again to abort at once)")
+
+    def close(self):
+        if self.signum is not None and self.exit_out_dir is not None:
+            for s in self.SIGNALS:
+                signal.signal(s, lambda signum, frame: exit_now(self.exit_out_dir))
+            return
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def exit_now(out_dir):
+    """The second Ctrl-C's way out: the documented line, and no interpreter teardown to interrupt."""
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError, RuntimeError):  # a closed pipe, or a write this signal interrupted
+        pass
+    print(interrupted_again(out_dir), file=sys.stderr, flush=True)
+    os._exit(128 + signal.SIGINT)
+
+
+def interrupted_again(out_dir):
+    return (f"error: interrupted again; stopped at once: {os.path.join(out_dir, CHECKPOINT)} holds the last saved "
+            "state (continue with --init_from=resume)")

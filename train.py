@@ -10,7 +10,6 @@ key too. Unknown keys and wrong types exit with status 2 before anything runs.
 """
 
 import inspect
-import json
 import math
 import os
 import signal
@@ -22,8 +21,8 @@ from typing import Optional
 
 import torch
 
-from checkpoint import (CHECKPOINT, METRICS, ContextKeys, RunLock, RunState, load_any, load_checkpoint, load_model, lora_model,
-                        tokens_per_step, with_dropout, with_head)
+from checkpoint import (CHECKPOINT, ContextKeys, Logger, RunLock, RunState, StopRequest, exit_now, load_any, load_checkpoint,
+                        load_model, lora_model, tokens_per_step, with_dropout, with_head)
 from configurator import ConfigError, DataError, checked, cli_main, keys_of, parse_config
 from dataset import BatchSampler, ConversationSampler, is_masked_dataset, open_split, read_meta, resolve_dataset
 from device import COMPUTE_DTYPES, DEVICES, Dist, estimate_mfu, pick_device, pick_dtype, precision
@@ -614,6 +613,9 @@ def settle_config(c, explicit, chosen=None):
         c = replace(c, init_from="resume" if found else "scratch")
     if c.init_from == "resume":
         ckpt = load_checkpoint(ckpt_path)
+        if "rl_config" in ckpt:  # its optimizer and prompts are rl.py's
+            raise ConfigError(f"{ckpt_path} was written by rl.py: continue it with python rl.py --init_from=resume "
+                              f"--out_dir={c.out_dir}, or fine-tune it with --init_from={c.out_dir} and another out_dir")
         saved = {k: v for k, v in ckpt["train_config"].items() if k in TRAIN_KEYS}  # keys since removed are dropped
         c = TrainConfig(**{**saved, **{k: getattr(c, k) for k in explicit}, "init_from": "resume"})
     elif os.path.exists(ckpt_path) and not c.overwrite:
@@ -758,79 +760,6 @@ def load_pretrained_for(c, explicit, data_meta):
 
 
 # ----------------------------------------------------------------------------------------------------
-# Logging
-
-
-class Logger:
-    """Plain lines (or a tqdm bar on a terminal), metrics.jsonl with every value, wandb when asked.
-
-    Only rank 0 logs."""
-
-    def __init__(self, c, out_dir, start_iter, metrics_bytes, active):
-        self.active = active
-        self.bar = self.wandb = self.file = None
-        if not active:
-            return
-        if c.wandb_log:  # first: a wandb that cannot start must not cost the run its metrics file
-            import wandb
-
-            try:
-                self.wandb = wandb.init(project=c.wandb_project, name=c.wandb_run_name, config=asdict(c),
-                                        resume="allow")
-            except Exception as e:  # not logged in, no network, a bad project: wandb's own exception types
-                reason = (str(e).strip().splitlines() or [""])[0]
-                raise ConfigError(f"wandb_log=True but wandb could not start ({type(e).__name__}: {reason}); run "
-                                  "`wandb login`, or set WANDB_MODE=offline to log locally (wandb sync later)") from None
-        path = os.path.join(out_dir, METRICS)
-        if metrics_bytes is not None and os.path.exists(path):
-            with open(path, "r+b") as f:  # drop what the interrupted run logged after its checkpoint
-                f.truncate(metrics_bytes)
-        elif metrics_bytes is None and os.path.exists(path):
-            os.remove(path)
-        self.file = open(path, "a", buffering=1)  # line-buffered: `tail -f metrics.jsonl` follows the run
-        if sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=c.max_iters, initial=start_iter, dynamic_ncols=True)
-
-    def print(self, text):
-        if self.active:
-            (self.bar.write if self.bar else print)(text, flush=True)
-
-    def log(self, record, line):
-        if not self.active:
-            return
-        self.file.write(json.dumps(record) + "\n")
-        if self.bar:
-            self.bar.set_postfix_str(line, refresh=False)
-        else:
-            print(line, flush=True)
-        if self.wandb:
-            self.wandb.log({k: v for k, v in record.items() if k != "iter"}, step=record["iter"])
-
-    def tick(self):
-        """One step done: the progress bar moves."""
-        if self.bar:
-            self.bar.update(1)
-
-    def durable_size(self):
-        """Flushes metrics.jsonl to disk and returns its size, which the checkpoint records."""
-        if not self.active:
-            return None
-        self.file.flush()
-        os.fsync(self.file.fileno())
-        return self.file.tell()
-
-    def close(self):
-        if self.bar:
-            self.bar.close()
-        if self.file:
-            self.file.close()
-        if self.wandb:
-            self.wandb.finish()
-
-
-# ----------------------------------------------------------------------------------------------------
 # The command line's plumbing: signals, exit codes, a lost process under torchrun
 
 
@@ -866,11 +795,6 @@ def command(argv):
     return result
 
 
-def interrupted_again(out_dir):
-    return (f"error: interrupted again; stopped at once: {os.path.join(out_dir, CHECKPOINT)} holds the last saved "
-            "state (continue with --init_from=resume)")
-
-
 def lost_a_process(error):
     """Whether a collective failed because a peer process died or fell silent past dist_timeout.
 
@@ -888,49 +812,6 @@ def lost_a_process(error):
 # deadlock at exit, about one run in ten on 2 busy cores even after a barrier. command() ends such a
 # process with os._exit once the checkpoint, logs and output are written.
 UNFREED_RUNS = []
-
-
-class StopRequest:
-    """SIGINT/SIGTERM/SIGUSR1: the first stops the loop after this step, the second aborts at once.
-
-    SIGUSR1 is SLURM's warning before a job's time runs out (sbatch --signal=USR1@120). Installed
-    while the loop runs; the old handlers come back on close()."""
-
-    SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name))
-
-    def __init__(self, logger, exit_out_dir=None):
-        """Installs the handlers.
-
-        exit_out_dir: set by train.py's own command line. After a stop request, a second signal even
-        during the exit (logs closing, threads joined, atexit callbacks, where Python can only print
-        "Exception ignored in ...") then ends the process with the documented line; None (a run inside
-        another program): the old handlers come back on close()."""
-        self.logger, self.exit_out_dir, self.signum = logger, exit_out_dir, None
-        self.previous = {s: signal.signal(s, self.on_signal) for s in self.SIGNALS}
-
-    def on_signal(self, signum, frame):
-        if self.signum is not None:  # a second Ctrl-C: the user wants out now
-            raise KeyboardInterrupt
-        self.signum = signum
-        self.logger.print(f"{signal.Signals(signum).name}: stopping after this step or evaluation batch (again to abort at once)")
-
-    def close(self):
-        if self.signum is not None and self.exit_out_dir is not None:
-            for s in self.SIGNALS:
-                signal.signal(s, lambda signum, frame: exit_now(self.exit_out_dir))
-            return
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-def exit_now(out_dir):
-    """The second Ctrl-C's way out: the documented line, and no interpreter teardown to interrupt."""
-    try:
-        sys.stdout.flush()
-    except (OSError, ValueError, RuntimeError):  # a closed pipe, or a write this signal interrupted
-        pass
-    print(interrupted_again(out_dir), file=sys.stderr, flush=True)
-    os._exit(128 + signal.SIGINT)
 
 
 if __name__ == "__main__":
