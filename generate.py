@@ -4,6 +4,8 @@ Sampling and the decode loop, as functions of a model (GPT.generate and GPT.stre
   next_logits(model, seq, length, cache)   the logits after seq[:, :length]: a prefill, then a token a step
   generate(model, idx, max_new_tokens, Sampling(temperature=0.8, top_k=200), eos_token_id)
   stream(...)                              the same, yielding each new column of tokens as it exists
+  generate(..., lengths=[...])             prompts of different lengths in one call (stream_rows, over the
+                                           server's row batch: BatchRows)
 
 Sampling says how a token is drawn (temperature, top-k, top-p); sample_next draws one per row, with one
 generator per row if asked. speculative.py plugs its drafts into stream() as a step that may return

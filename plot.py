@@ -5,6 +5,8 @@ in-context and previous-token scores), several runs overlaid, in one PNG; and a 
 
   python plot.py out-shakespeare-char-cpu                      -> out-shakespeare-char-cpu/curves.png
   python plot.py out-a out-b out-c --out=compare.png           several runs, one legend
+  python plot.py out-rl                                        an rl.py run: held-out exact match (per task),
+                                                               pass@k, reward, mixed groups, reply length, entropy
 
 The PNG needs matplotlib (pip install matplotlib); without it the summary is printed alone.
 """
@@ -51,10 +53,12 @@ def line_style(i):
 
 
 def read_run(out_dir):
-    """(steps, evals, tokens per step or None) of one run."""
+    """(steps, evals, tokens per step or None) of one run; an rl.py run's: (steps, evals, "rl")."""
     records = read_metrics(out_dir)
     if not records:
         raise CheckpointError(f"{out_dir}: no metrics.jsonl (or it is empty); give the out_dir of a training run")
+    if any("exact_match" in r for r in records):
+        return [r for r in records if "reward" in r], [r for r in records if "exact_match" in r], "rl"
     per_step = None
     path = os.path.join(out_dir, CHECKPOINT)
     if os.path.exists(path):
@@ -64,6 +68,12 @@ def read_run(out_dir):
 
 
 def summary(name, steps, evals, per_step):
+    if per_step == "rl":
+        first, last = evals[0], evals[-1]
+        tasks = [k for k in last if k.startswith("exact_") and k != "exact_match"]
+        return (f"{name}: held-out exact match {first['exact_match']:.4f} at step {first['iter']} -> {last['exact_match']:.4f} "
+                f"at step {last['iter']} (" + ", ".join(f"{k[6:]} {first.get(k, 0):.3f} -> {last[k]:.3f}" for k in tasks)
+                + f"), {last['elapsed']:.0f} s")
     if not evals:
         return f"{name}: {len(steps)} steps logged, no evaluation yet"
     best = min(evals, key=lambda r: r["val_loss"])
@@ -112,6 +122,44 @@ def draw(runs, path):
     return save(plt, fig, path)
 
 
+RL_PANELS = [  # rl.py's runs: (records, y key, y label, log y); "exact_*": one line per task
+    ("evals", "exact_match", "held-out exact match (greedy)", False),
+    ("evals", "pass_at_k", "held-out pass@k (sampled)", False),
+    ("steps", "reward", "mean reward of the step's samples", False),
+    ("steps", "mixed", "fraction of mixed groups", False),
+    ("steps", "reply_tokens", "mean reply length (tokens)", False),
+    ("steps", "entropy", "policy entropy on the replies (nats)", False),
+    ("evals", "exact_*", "held-out exact match per task", False),
+    ("steps", "grad_norm", "gradient norm (before clipping)", True),
+    ("steps", "kl", "KL to the starting model (k3)", False),
+]
+
+
+def draw_rl(runs, path):
+    """draw() for rl.py's runs: nine panels against the step."""
+    plt = pyplot()
+    if plt is None:
+        return None
+    fig, axes = plt.subplots(3, 3, figsize=(13, 10.5), dpi=100)
+    for ax, (kind, y, label, log) in zip(axes.flat, RL_PANELS):
+        for i, (name, (steps, evals)) in enumerate(runs.items()):
+            records = steps if kind == "steps" else evals
+            keys = sorted({k for r in records for k in r if k.startswith("exact_") and k != "exact_match"}) if y == "exact_*" else [y]
+            for key in keys:
+                points = [(r["iter"], r[key]) for r in records if r.get(key) is not None]
+                if points:
+                    ax.plot(*zip(*points), label=f"{name}: {key[6:]}" if y == "exact_*" else name, linestyle=line_style(i),
+                            marker="." if kind == "evals" else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        if log:
+            ax.set_yscale("log")
+        if y in ("exact_match", "exact_*"):
+            ax.legend(fontsize=7)
+    return save(plt, fig, path)
+
+
 def main(argv=None):
     cli_main(plot_runs, argv)
 
@@ -130,10 +178,13 @@ def plot_runs(argv):
     if len(set(names)) < len(names):  # two runs named alike (a/out, b/out): label them by the path given
         names = [f"{d} ({i + 1})" if dirs.count(d) > 1 else d for i, d in enumerate(dirs)]
     loaded = {name: read_run(d) for name, d in zip(names, dirs)}
+    rl = {per_step == "rl" for _, _, per_step in loaded.values()}
+    if len(rl) > 1:
+        raise ConfigError("rl.py's runs and training runs log different things: plot them separately")
     for name, (steps, evals, per_step) in loaded.items():
         print(summary(name, steps, evals, per_step))
     path = outs[-1] if outs else os.path.join(dirs[0], "curves.png")
-    if draw({name: (steps, evals) for name, (steps, evals, _) in loaded.items()}, path) is None:
+    if (draw_rl if rl == {True} else draw)({name: (steps, evals) for name, (steps, evals, _) in loaded.items()}, path) is None:
         print("matplotlib is not installed: printed the summary only (pip install matplotlib for the PNG)")
     else:
         print(f"wrote {path}")

@@ -1,6 +1,6 @@
 """The device tier: every user-facing path on a CUDA GPU (train.py with compile, DDP and FSDP2 under torchrun,
 each resumed; stability and head logging; sample.py sampled, greedy and with both drafts; engine.py's continuous batching;
-fine-tuning on conversations (full and LoRA, compiled, resumed) with chat.py and eval.py --chats;
+fine-tuning on conversations (full and LoRA, compiled, resumed) with chat.py and eval.py --chats; rl.py;
 eval.py; interpret.py; bench.py; a GGUF export sampled; the encoder and encoder-decoder families), and no
 host synchronisation inside a training step. Skips, saying why, where there is no GPU; ../shared/gpu-check.sh runs it on a lent one. The GPU machine has torch, tiktoken and
 transformers but no fastapi, datasets or wandb: nothing here needs them."""
@@ -256,6 +256,24 @@ def test_fine_tuning_on_conversations_on_the_gpu_compiled_resumed_then_chat(tmp_
     scored = ok(run_main("eval.py", f"--out_dir={tmp_path / 'whole'}", f"--chats={tmp_path / 'chats.jsonl'}",
                          "--max_new_tokens=8", "--device=cuda"))
     assert "**1.000**" in scored.stdout
+
+
+def test_rl_on_the_gpu_resumes_exactly_and_its_model_chats(tmp_path, sft_run):
+    """rl.py on the GPU (sampling noise from a CUDA generator, prompts of different lengths in one batch, the
+    update, a KL reference): a run cut at step 2 and resumed ends with the uninterrupted run's weights, and
+    chat.py answers from it."""
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"task": "first", "messages": [
+        {"role": "user", "content": f"{w} the king"}, {"role": "assistant", "content": w}]}) + "\n" for w in ("love", "sword", "night", "day")))
+    keys = [f"--init_from={sft_run}", f"--prompts={tmp_path / 'p.jsonl'}", f"--eval_chats={tmp_path / 'p.jsonl'}",
+            "--device=cuda", "--group_size=4", "--prompts_per_step=2", "--max_new_tokens=8", "--eval_interval=2",
+            "--pass_per_task=2", "--kl_coef=0.1", "--rewards=first=chars"]
+    ok(run_main("rl.py", *keys, f"--out_dir={tmp_path / 'whole'}", "--max_iters=4"))
+    ok(run_main("rl.py", *keys, f"--out_dir={tmp_path / 'cut'}", "--max_iters=2"))
+    ok(run_main("rl.py", f"--out_dir={tmp_path / 'cut'}", "--init_from=resume", "--max_iters=4"))
+    a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True)["model"] for d in ("whole", "cut"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any("kl" in r for r in read_metrics(tmp_path / "whole"))
+    ok(run_main("chat.py", f"--out_dir={tmp_path / 'whole'}", "--prompt=love the king", "--device=cuda", "--max_new_tokens=8"))
 
 
 def test_the_other_families_train_compiled_evaluate_and_decode_on_the_gpu(tmp_path, char_dataset):

@@ -29,7 +29,7 @@ def test_a_recipes_commands_are_printed_in_its_document_and_its_figure_is_stated
 
 def test_recipes_refuses_an_unknown_recipe_in_one_line():
     result = run_main("tools/recipes.py", "quick")
-    assert result.returncode == 2 and result.stderr == "error: no recipe quick: choose from quickstart, chat, lora, speedrun, vit, mlm, authors, seq2seq\n"
+    assert result.returncode == 2 and result.stderr == "error: no recipe quick: choose from quickstart, chat, lora, rl, speedrun, vit, mlm, authors, seq2seq\n"
 
 
 def copy_first_word(n, seed):

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_FLOORS = 7
 # The command lines: a user runs them; nothing below them may import them. data/ and tools/ scripts are
 # command lines too (by their place).
-COMMANDS = {"train", "sample", "chat", "eval", "bench", "ablate", "export", "serve", "interpret", "plot"}
+COMMANDS = {"train", "rl", "sample", "chat", "eval", "bench", "ablate", "export", "serve", "interpret", "plot"}
 TRAINER_USERS = {"ablate"}  # the only module that may import train.py (an ablation runs training runs)
 SKIP = {"tests", "config", ".venv", ".git", "__pycache__", "out", ".ci"}
 

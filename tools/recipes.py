@@ -77,7 +77,7 @@ RECIPES = {
         ["python data/shakespeare_char/prepare.py", "python train.py config/train_shakespeare_char_cpu.py"],
         "final val loss", final_val_loss("out-shakespeare-char-cpu"), "README.md", r"val loss (\d\.\d+)-(\d\.\d+)\.", 0.005),
     "chat": Recipe(
-        ["python data/chat_tasks/prepare.py --tokenizer_from=out-shakespeare-char-cpu",
+        ["python data/chat_tasks/prepare.py --tokenizer_from=out-shakespeare-char-cpu --rl=2000",
          "python train.py config/sft_chat_tasks_cpu.py",
          "python eval.py --out_dir=out-chat-tasks --chats=data/chat_tasks/val.jsonl --json=chat.json"],
         "held-out exact match", exact_match("chat.json"), "README.md", r"held-out exact match: (\d\.\d+)", 0.03,
@@ -86,6 +86,10 @@ RECIPES = {
         ["python train.py config/sft_chat_tasks_cpu.py --lora_rank=8 --learning_rate=1e-2 --out_dir=out-chat-tasks-lora",
          "python eval.py --out_dir=out-chat-tasks-lora --chats=data/chat_tasks/val.jsonl --json=lora.json"],
         "held-out exact match", exact_match("lora.json"), "README.md", r"LoRA's: (\d\.\d+)", 0.03, needs=["chat"]),
+    "rl": Recipe(
+        ["python rl.py config/rl_chat_tasks_cpu.py",
+         "python eval.py --out_dir=out-rl-chat-tasks --chats=data/chat_tasks/val.jsonl --json=rl.json"],
+        "held-out exact match after RL", exact_match("rl.json"), "README.md", r"after RL: (\d\.\d+)", 0.03, needs=["chat"]),
     "speedrun": Recipe(
         ["python data/shakespeare_char/prepare.py", "python train.py config/speedrun_shakespeare_char_cpu.py"],
         "val loss at step 400 (its first target: <= 1.886)", val_loss_at("out-speedrun-char-cpu", 400),
