@@ -326,6 +326,7 @@ class RunLock:
             os.close(self.fd)  # closing releases the flock
             self.fd = None
 
+
 # ----------------------------------------------------------------------------------------------------
 # Logging
 
@@ -414,7 +415,7 @@ class StopRequest:
     def __init__(self, logger, exit_out_dir=None):
         """Installs the handlers.
 
-        exit_out_dir: set by train.py's own command line. After a stop request, a second signal even
+        exit_out_dir: set by train.py's and rl.py's own command lines. After a stop request, a second signal even
         during the exit (logs closing, threads joined, atexit callbacks, where Python can only print
         "Exception ignored in ...") then ends the process with the documented line; None (a run inside
         another program): the old handlers come back on close()."""

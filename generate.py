@@ -282,21 +282,27 @@ class DynamicRows:
         return self.decode(tokens, positions), self.model.forward_cached(idx, cache, last)
 
 
+@torch.no_grad()
 def stream_rows(model, idx, lengths, max_new_tokens, sampling, eos_token_id=None, generator=None):
     """stream() for prompts of different lengths: row b's prompt is idx[b, :lengths[b]].
 
     Each prompt is prefilled alone (rows with the same prompt once, when the batch copies caches in: a
     GRPO group's samples share theirs), then every row decodes in one batch at its own position
-    (row_batch: the server's). No padding token is ever read, so row b draws the tokens it would alone, up
-    to the rounding of a batched product; the noise is drawn as stream() draws it, one (B, vocab) block a step."""
+    (row_batch: the server's). No padding token is ever read, so with a generator per row, row b draws the
+    tokens it would alone, up to the rounding of a batched product (one generator: one (B, vocab) block of
+    noise a step, as stream() draws it). With eos_token_id, a row that fills the model's context ends there
+    (its later tokens are eos) while the others go on; without it, every row must fit."""
+    check_max_new_tokens(max_new_tokens)
     B, T = idx.shape
     lengths = [int(n) for n in lengths]
-    if len(lengths) != B or min(lengths, default=1) < 1 or max(lengths, default=1) > T:
+    if B == 0 or len(lengths) != B or min(lengths) < 1 or max(lengths) > T:
         raise ValueError(f"lengths must give each of the {B} rows a prompt length in 1..{T}; got {lengths}")
     limit = model.config.context_limit
-    if limit is not None and max(lengths) + max_new_tokens - 1 > limit:
-        raise ValueError(f"a prompt of {max(lengths)} tokens and {max_new_tokens} new ones pass block_size={limit}: rows of "
-                         "different lengths decode within the context; lower max_new_tokens")
+    room = [max_new_tokens if limit is None else min(max_new_tokens, limit + 1 - n) for n in lengths]
+    if min(room) < 1 or (eos_token_id is None and min(room) < max_new_tokens):
+        raise ValueError(f"a prompt of {max(lengths)} tokens and {max_new_tokens} new ones pass block_size={limit}: "
+                         "lower max_new_tokens" + (", or shorten the prompt" if min(room) < 1 else
+                                                   ", or give eos_token_id (a row that fills the context then ends)"))
     batch = row_batch(model, B)
     first, prefilled = [], {}
     for b, n in enumerate(lengths):
@@ -308,16 +314,18 @@ def stream_rows(model, idx, lengths, max_new_tokens, sampling, eos_token_id=None
         batch.add(cache)
         first.append(logits)
     logits, positions = torch.stack(first), lengths
+    last = torch.tensor(room, device=idx.device)[:, None] - 1  # each row's last new token: the context is full after it
     finished = torch.zeros(B, 1, dtype=torch.bool, device=idx.device)
     for n in range(max_new_tokens):
         token = sample_next(logits, sampling, generator)
         if eos_token_id is not None:
             token = token.masked_fill(finished, eos_token_id)
-            finished |= token == eos_token_id
+            finished |= (token == eos_token_id) | (last == n)
         yield token
         if n == max_new_tokens - 1 or (eos_token_id is not None and bool(finished.all())):
             return
-        logits = batch.decode(token, positions)
+        # (a row that has ended goes on at its last position: its logits are never read)
+        logits = batch.decode(token, positions if limit is None else [min(p, limit - 1) for p in positions])
         positions = [p + 1 for p in positions]
 
 

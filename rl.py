@@ -16,8 +16,10 @@ match per task on eval_chats (eval.py's rule), pass@k at the sampling temperatur
 train.py's format, so chat.py, eval.py, export.py and serve.py read the result as they read a fine-tune.
 """
 
+import hashlib
 import importlib
 import importlib.util
+import json
 import math
 import os
 import sys
@@ -33,6 +35,7 @@ from device import DEVICES, Dist, pick_device
 from eval import chat_prompt, read_chats, reply_of
 from generate import Sampling, stream_rows
 import lora
+from model import GPT
 from optim import clip_gradients, get_lr
 from tokenizer import ChatTokenizer, tokenizer_from_meta
 
@@ -40,7 +43,7 @@ from tokenizer import ChatTokenizer, tokenizer_from_meta
 @dataclass
 class RLConfig:
     # input and output
-    init_from: str = ""  # the chat run to start from (its out_dir) | resume (out_dir's run) | auto (resume if out_dir has a checkpoint)
+    init_from: str = ""  # the chat run to start from (its out_dir) | resume (continue out_dir's RL run)
     out_dir: str = "out-rl"  # ckpt.pt (train.py's format) and metrics.jsonl go here
     overwrite: bool = False  # a fresh run into an out_dir that holds a checkpoint: False refuses, True starts over
     prompts: str = "data/chat_tasks/rl.jsonl"  # JSON-lines conversations to learn from; each last assistant turn is the reference
@@ -115,10 +118,13 @@ def load_reward(spec):
         if where.endswith(".py"):
             if not os.path.exists(where):
                 raise ConfigError(f"reward {spec!r}: no file {where}")
-            found = importlib.util.spec_from_file_location(f"reward_{abs(hash(where))}", where)
-            module = importlib.util.module_from_spec(found)
+            name_of = "rl_reward_" + os.path.splitext(os.path.basename(where))[0]
+            found = importlib.util.spec_from_file_location(name_of, where)
+            module = sys.modules[name_of] = importlib.util.module_from_spec(found)  # (dataclasses, pickling need it there)
             found.loader.exec_module(module)
         else:
+            if os.getcwd() not in sys.path:  # module:function is found from where the command runs, too
+                sys.path.append(os.getcwd())
             module = importlib.import_module(where)
     except ConfigError:
         raise
@@ -130,22 +136,30 @@ def load_reward(spec):
     return function
 
 
-def task_rewards(c):
-    """{task: reward function} from `rewards`, and the default for every other task."""
+def task_rewards(c, tasks):
+    """{task: reward function} from `rewards`, and the default for every other task; tasks: those in the data."""
     chosen = {}
     for item in filter(None, (part.strip() for part in c.rewards.split(","))):
         task, _, spec = item.partition("=")
         if not task.strip() or not spec.strip():
             raise ConfigError(f"rewards: {item!r} is not task=reward (e.g. rewards=\"reverse=chars,spell=my_rewards.py:spell\")")
         chosen[task.strip()] = load_reward(spec.strip())
+    unknown = sorted(set(chosen) - set(tasks))
+    if unknown:
+        raise ConfigError(f"rewards: no conversation of task {', '.join(map(repr, unknown))} in {c.prompts} (its tasks: "
+                          f"{', '.join(sorted(set(tasks)))})")
     return chosen, load_reward(c.reward)
 
 
 def score(reward, reply, reference, messages, task):
-    value = reward(reply, reference, messages)
+    try:
+        value = reward(reply, reference, messages)
+    except Exception as e:  # the user's function failed: one line that names the task and the reply
+        raise DataError(f"the reward of task {task!r} raised {type(e).__name__} ({str(e).splitlines()[0] if str(e) else ''}) "
+                        f"on reply {reply!r}") from None
     try:
         value = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         value = math.nan
     if not 0.0 <= value <= 1.0:  # (NaN fails too)
         raise DataError(f"the reward of task {task!r} gave {value!r} for reply {reply!r}; a reward is a number in [0, 1]")
@@ -182,15 +196,18 @@ class Prompts:
             self.position += 1
         return out
 
+    def digest(self):
+        return hashlib.sha256(json.dumps(self.conversations).encode()).hexdigest()
+
     def state_dict(self):
         return {"epoch": self.epoch, "position": self.position, "generator": self.generator.get_state(),
-                "conversations": len(self.conversations)}
+                "seed": self.seed, "conversations": len(self.conversations), "digest": self.digest()}
 
     def load_state_dict(self, state):
-        if state.get("conversations") != len(self.conversations):
-            raise ConfigError(f"init_from=resume: the run drew from {state.get('conversations')} prompts, `prompts` "
-                              f"now has {len(self.conversations)}; resume with the file it ran on")
-        self.epoch, self.position = state["epoch"], state["position"]
+        if state.get("digest") != self.digest():
+            raise ConfigError(f"init_from=resume: the run drew from {state.get('conversations')} prompts, other than the "
+                              f"{len(self.conversations)} `prompts` (and `tasks`) give now; resume with the file it ran on")
+        self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]  # (its own order, whatever --seed says)
         self.generator.set_state(state["generator"])
         self.order = self.permutation()
 
@@ -217,14 +234,9 @@ def sample_replies(model, tokenizer, prompts, n, sampling, max_new_tokens, gener
     out = []
     for begin in range(0, len(flat), rows):
         chunk = flat[begin : begin + rows]
-        idx, lengths = prompt_batch(chunk, device)
-        room = min(max_new_tokens, model.config.block_size + 1 - max(lengths))
-        if room < 1:
-            raise DataError(f"a prompt of {max(lengths)} tokens leaves no room for a reply in block_size="
-                            f"{model.config.block_size}; drop the longest conversations")
-        new = torch.cat(list(stream_rows(model, idx, lengths, room, sampling, tokenizer.end_token, generator)), dim=1)
-        for b, prompt in enumerate(chunk):
-            ids = new[b].tolist()
+        idx, lengths = prompt_batch(chunk, device)  # (a row that fills the context ends there: check_prompts)
+        new = torch.cat(list(stream_rows(model, idx, lengths, max_new_tokens, sampling, tokenizer.end_token, generator)), dim=1)
+        for prompt, ids in zip(chunk, new.tolist()):
             end = ids.index(tokenizer.end_token) + 1 if tokenizer.end_token in ids else len(ids)
             out.append((ids[:end], reply_of(tokenizer, prompt, ids[:end])))
     return out
@@ -275,13 +287,12 @@ def held_out(c, model, tokenizer, conversations, generator, device):
 def advantages(rewards, scale):
     """(groups, group_size) rewards -> advantages (reward - group mean, / group std if scale) and which
     groups are mixed (rewards not all equal: the others have advantage 0 everywhere)."""
-    mean = rewards.mean(dim=1, keepdim=True)
-    std = rewards.std(dim=1, keepdim=True, unbiased=False)
-    mixed = std[:, 0] > 0
-    adv = rewards - mean
+    rewards = rewards.double()  # (16 equal rewards of 0.1 have a float32 std of 7e-9, not 0)
+    mixed = rewards.amax(dim=1) > rewards.amin(dim=1)
+    adv = rewards - rewards.mean(dim=1, keepdim=True)
     if scale:
-        adv = adv / std.clamp_min(1e-6)
-    return adv, mixed
+        adv = adv / rewards.std(dim=1, keepdim=True).clamp_min(1e-6)  # (GRPO's: the sample std)
+    return (adv * mixed[:, None]).float(), mixed
 
 
 def policy_batch(rows, device):
@@ -306,7 +317,8 @@ def token_logprobs(model, idx, mask, targets, temperature):
     (B, T, vocab) probabilities would not fit)."""
     logits, _ = model(idx)
     logp = F.log_softmax(logits[mask].float() / temperature, dim=-1)
-    entropy = -(logp.exp() * logp).sum(dim=-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(dim=-1)
     return logp.gather(-1, targets[:, None])[:, 0], entropy
 
 
@@ -316,11 +328,11 @@ def policy_loss(model, reference, rows, c, device):
     idx, mask, targets, weight = policy_batch(rows, device)
     logp, entropy = token_logprobs(model, idx, mask, targets, c.temperature)
     loss = -(weight * logp).mean()
-    logged = {"entropy": float(entropy.detach().mean())}
+    logged = {"entropy": float(entropy.mean())}
     if reference is not None:
         with torch.no_grad():
             ref_logp, _ = token_logprobs(reference, idx, mask, targets, c.temperature)
-        delta = ref_logp - logp
+        delta = (ref_logp - logp).clamp(-20, 20)  # (a token the policy or the start finds all but impossible)
         kl = (delta.exp() - delta - 1).mean()  # k3: unbiased, never negative (Schulman's estimator)
         loss = loss + c.kl_coef * kl
         logged["kl"] = float(kl.detach())
@@ -337,7 +349,10 @@ class RLRun:
         self.world = Dist(self.device_type)
         if self.world.enabled:
             raise ConfigError("rl.py runs in one process; run it with python, not torchrun")
-        self.raw_model = model_from_checkpoint(state, path).to(device)  # (a LoRA run: merged)
+        model = model_from_checkpoint(state, path)  # (a LoRA run: merged)
+        if model.config.family != "decoder":
+            raise ConfigError(f"{path}: a {model.config.family} model; rl.py samples replies from a decoder-only chat model")
+        self.raw_model = self.without_dropout(model).to(device)
         self.model_config = self.raw_model.config
         self.tokenizer = tokenizer_from_meta(state["tokenizer"])
         if not isinstance(self.tokenizer, ChatTokenizer):
@@ -351,6 +366,15 @@ class RLRun:
         self.scaler = torch.amp.GradScaler(self.device_type if self.device_type != "mps" else "cpu", enabled=False)
         self.optimizers = [torch.optim.AdamW(self.raw_model.parameters(), lr=c.learning_rate, betas=(c.beta1, c.beta2),
                                              weight_decay=c.weight_decay)]
+
+    @staticmethod
+    def without_dropout(model):
+        """The model with dropout 0: the update's log-probabilities must be those of the policy that sampled."""
+        if not model.config.dropout:
+            return model
+        plain = GPT(replace(model.config, dropout=0.0))
+        plain.load_state_dict(model.state_dict())
+        return plain
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -383,10 +407,6 @@ def check_config(c):
 def settle(c, explicit):
     """The config that runs and the checkpoint to resume (or None), as train.py's settle_config."""
     ckpt_path = os.path.join(c.out_dir, CHECKPOINT)
-    if c.init_from == "auto":
-        c = replace(c, init_from="resume" if os.path.exists(ckpt_path) else "")
-        if not c.init_from:
-            raise ConfigError(f"init_from=auto: no checkpoint in {c.out_dir} to resume; give the chat run to start from")
     if c.init_from == "resume":
         ckpt = load_checkpoint(ckpt_path)
         if "rl_config" not in ckpt:
@@ -405,21 +425,8 @@ def settle(c, explicit):
     return c, None
 
 
-def rl(c, explicit, script=False):
-    """Runs the RL that c (an RLConfig) describes; explicit: the keys the user set. Returns a summary."""
-    c, ckpt = settle(c, explicit)  # (resumed: c.init_from is still the run RL started from)
-    start_path = os.path.join(c.init_from, CHECKPOINT)
-    start = load_checkpoint(start_path) if ckpt is None or c.kl_coef else None
-    if ckpt is not None and start is not None and ckpt["rl_start"] != lora.base_record(c.init_from, CHECKPOINT):
-        raise CheckpointError(f"init_from=resume: {start_path}, the model this run started from (its KL's reference), "
-                              "changed since; restore it")
-    device = pick_device(c.device)
-    torch.manual_seed(c.seed)
-    run = RLRun(c, start if ckpt is None else ckpt, os.path.join(c.out_dir if ckpt else c.init_from, CHECKPOINT), device)
-    reference = None
-    if c.kl_coef:
-        reference = model_from_checkpoint(start, start_path).to(device).eval().requires_grad_(False)
-    rewards, default_reward = task_rewards(c)
+def read_data(c):
+    """(training conversations, held-out conversations), checked and filtered (tasks, eval_per_task)."""
     train_set, eval_set = read_chats(c.prompts), read_chats(c.eval_chats)
     if c.tasks:
         chosen = {t.strip() for t in c.tasks.split(",") if t.strip()}
@@ -429,9 +436,47 @@ def rl(c, explicit, script=False):
         train_set = [x for x in train_set if x[0] in chosen]
     if c.eval_per_task:
         eval_set = [x for x, n in zip(eval_set, ranks(t for t, _ in eval_set)) if n < c.eval_per_task]
+    return train_set, eval_set
+
+
+def check_prompts(c, tokenizer, block_size, files):
+    """A DataError naming the first conversation whose prompt leaves no room for a reply in the context: found
+    now, not when a step draws it."""
+    for path, conversations in files:
+        for n, (task, messages) in enumerate(conversations):
+            length = len(chat_prompt(tokenizer, messages[:-1]))
+            if length >= block_size:
+                raise DataError(f"{path}: conversation {n} (task {task!r}) has a prompt of {length} tokens: no room for a "
+                                f"reply in block_size={block_size}; drop it or shorten it")
+
+
+def rl(c, explicit, script=False):
+    """Runs the RL that c (an RLConfig) describes; explicit: the keys the user set. Returns a summary."""
+    c, ckpt = settle(c, explicit)
+    train_set, eval_set = read_data(c)
+    rewards, default_reward = task_rewards(c, {t for t, _ in train_set})
+    device = pick_device(c.device)
+    # where RL started (the KL's reference, a fresh run's weights): resumed, the absolute path recorded then
+    start_dir = c.init_from if ckpt is None else ckpt["rl_start"]["base"]
+    start_path = os.path.join(start_dir, CHECKPOINT)
+    start = load_checkpoint(start_path) if ckpt is None or c.kl_coef else None
+    if ckpt is not None:
+        if start is not None and lora.file_sha256(start_path) != ckpt["rl_start"]["base_sha256"]:
+            raise CheckpointError(f"init_from=resume: {start_path}, the model this run started from (its KL's reference), "
+                                  "changed since; restore it")
+        if ckpt["precision"]["device_type"] != torch.device(device).type:
+            raise ConfigError(f"init_from=resume: the run sampled on {ckpt['precision']['device_type']}, this is {device}: "
+                              f"resume it there (--device={ckpt['precision']['device_type']}); its random streams are that device's")
+    torch.manual_seed(c.seed)
+    run = RLRun(c, start if ckpt is None else ckpt, os.path.join(c.out_dir if ckpt else start_dir, CHECKPOINT), device)
+    check_prompts(c, run.tokenizer, run.model_config.block_size, ((c.prompts, train_set), (c.eval_chats, eval_set)))
+    reference = None
+    if c.kl_coef:
+        reference = run.without_dropout(model_from_checkpoint(start, start_path)).to(device).eval().requires_grad_(False)
     run.train_batches = Prompts(train_set, c.seed, device)
     state = RunState()
-    run.extra_state = {"rl_config": asdict(c), "rl_start": (ckpt or {}).get("rl_start") or lora.base_record(c.init_from, CHECKPOINT)}
+    run.extra_state = {"rl_config": asdict(c),
+                       "rl_start": ckpt["rl_start"] if ckpt is not None else lora.base_record(start_dir, CHECKPOINT)}
     if ckpt is not None:
         state.restore(ckpt, run)
     del start, ckpt
@@ -507,13 +552,15 @@ def step(c, run, reference, rewards, default_reward, sampling, it, device):
         loss, logged = policy_loss(model, reference, rows, c, device)
         loss.backward()
         norm = clip_gradients(model.parameters(), c.grad_clip)
-        run.optimizers[0].step()
+        finite = bool(torch.isfinite(loss) & torch.isfinite(norm))
+        if finite:  # (a non-finite step is skipped, never written into the weights)
+            run.optimizers[0].step()
         run.optimizers[0].zero_grad(set_to_none=True)
-        record.update({"loss": float(loss.detach()), "grad_norm": float(norm), **logged})
+        record.update({"loss": float(loss.detach()), "grad_norm": float(norm), "skipped": not finite, **logged})
     line = (f"iter {it}: reward {record['reward']:.3f}, mixed groups {record['mixed']:.2f}, reply "
             f"{record['reply_tokens']:.1f} tokens" + (f", entropy {record['entropy']:.3f}, grad norm {record['grad_norm']:.3f}"
                                                     if rows else ", no mixed group: no update")
-            + (f", kl {record['kl']:.4f}" if "kl" in record else ""))
+            + (f", kl {record['kl']:.4f}" if "kl" in record else "") + (", non-finite: step skipped" if record.get("skipped") else ""))
     return record, line
 
 

@@ -7,8 +7,7 @@ import torch
 from checkpoint import load_any
 from conftest import build
 from engine import RIDE_MIN, Engine, Job, sample_rows
-from generate import BatchRows, DynamicRows, row_batch
-from generate import Sampling, sample_next
+from generate import BatchRows, DynamicRows, Sampling, row_batch, sample_next
 
 
 def test_rows_sample_as_each_would_alone():

@@ -162,7 +162,7 @@ def test_prompts_of_different_lengths_decode_in_one_call_as_each_alone(case):
     greedy and per-row-seeded samples equal one-row generate() (rows sharing a prompt share its prefill),
     and eos pads a finished row as in the equal-length loop."""
     model = build(**STATIC_CASES[case])
-    prompts = [torch.randint(0, 61, (n,)) for n in (3, 7, 3, 11)]
+    prompts = [torch.randint(0, 59, (n,)) for n in (3, 7, 3, 11)]  # (60: the pad, never an answer here)
     prompts[2] = prompts[0]
     idx = torch.full((4, 11), 60)  # a pad id the rows would notice if they read it
     for b, p in enumerate(prompts):
@@ -185,6 +185,12 @@ def test_prompts_of_different_lengths_decode_in_one_call_as_each_alone(case):
         model.generate(idx, 2, GREEDY, lengths=[3, 0, 3, 11])
     with pytest.raises(ValueError, match="lower max_new_tokens"):
         model.generate(idx, model.config.block_size, GREEDY, lengths=lengths)
+    # with an end token, a row that fills the context (block_size 32) ends there and the others go on
+    long = torch.randint(0, 59, (30,))
+    both = torch.stack([long, torch.cat([prompts[1], torch.zeros(23, dtype=torch.long)])])
+    out = model.generate(both, 6, GREEDY, lengths=[30, 7], eos_token_id=60)
+    assert torch.equal(out[0, 30:33], model.generate(long[None], 3, GREEDY)[0, 30:]) and (out[0, 33:] == 60).all()
+    assert torch.equal(out[1, 30:], model.generate(prompts[1][None], 6, GREEDY)[0, 7:])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -24,13 +24,14 @@ def test_rewards_score_exact_match_and_characters_in_place():
 
 
 def test_advantages_are_measured_within_each_group_and_only_mixed_groups_count():
-    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.5, 0.0, 0.0, 0.0]])
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.5, 0.0, 0.0, 0.0], [0.1, 0.1, 0.1, 0.1]])
     adv, mixed = rl.advantages(rewards, scale=False)
-    assert mixed.tolist() == [True, False, True]
+    assert mixed.tolist() == [True, False, True, False]  # (0.1 four times: a float32 std of ~7e-9, not a mixed group)
     assert torch.allclose(adv[0], torch.tensor([0.5, -0.5, -0.5, 0.5])) and adv[1].abs().sum() == 0
-    assert torch.allclose(adv[2], torch.tensor([0.375, -0.125, -0.125, -0.125]))
+    assert torch.allclose(adv[2], torch.tensor([0.375, -0.125, -0.125, -0.125])) and adv[3].abs().sum() == 0
     scaled, _ = rl.advantages(rewards, scale=True)
-    assert torch.allclose(scaled[0], torch.tensor([1.0, -1.0, -1.0, 1.0]))  # / the group's std (0.5)
+    assert torch.allclose(scaled[0], torch.tensor([1.0, -1.0, -1.0, 1.0]) * 0.75 ** 0.5)  # / the sample std, (1/3) ** 0.5
+    assert scaled[3].abs().sum() == 0
 
 
 def naive_loss(model, rows, temperature):
@@ -91,8 +92,8 @@ def spell(reply, reference, messages):
     calls["n"] += 1
     if calls["n"] == int(os.environ.get("STOP_AT_CALL", "0")):  # a stop request mid-run (SIGINT, as Ctrl-C)
         os.kill(os.getpid(), signal.SIGINT)
-    if calls["n"] == int(os.environ.get("CRASH_AT_CALL", "0")):  # a crash: nothing saved since the last checkpoint
-        raise MemoryError("killed")
+    if calls["n"] == int(os.environ.get("KILL_AT_CALL", "0")):  # killed: nothing saved since the last checkpoint
+        raise SystemExit(137)
     right = sum(a == b for a, b in zip(reply.strip(), reference))
     return right / max(len(reply.strip()), len(reference))
 '''
@@ -128,7 +129,7 @@ def metrics(out):
 
 def test_a_run_stopped_or_killed_mid_step_resumes_exactly(sft_run, spell_task, tmp_path, monkeypatch):
     """A run stopped by SIGINT mid-step (the reward sends it: it saves after the step), resumed, then killed
-    mid-step (the reward raises: the last checkpoint is the evaluation's) and resumed again ends with the
+    mid-step (the reward exits: the last checkpoint is the evaluation's) and resumed again ends with the
     weights and metrics of an uninterrupted run."""
     whole = tmp_path / "whole"
     assert run_main("rl.py", *rl_args(sft_run, spell_task, whole, "--max_iters=4")).returncode == 0
@@ -141,10 +142,9 @@ def test_a_run_stopped_or_killed_mid_step_resumes_exactly(sft_run, spell_task, t
             signal.signal(s, handler)
     assert stopped.returncode == 128 + signal.SIGINT and "continue with --init_from=resume" in stopped.stdout
     monkeypatch.delenv("STOP_AT_CALL")
-    monkeypatch.setenv("CRASH_AT_CALL", str(4 * 8 + 5))  # (calls count from the resumed process's start) step 3's scoring
-    with pytest.raises(MemoryError):
-        run_main("rl.py", f"--out_dir={tmp_path / 'split'}", "--init_from=resume")
-    monkeypatch.delenv("CRASH_AT_CALL")
+    monkeypatch.setenv("KILL_AT_CALL", str(4 * 8 + 5))  # (calls count from the resumed process's start) step 3's scoring
+    assert run_main("rl.py", f"--out_dir={tmp_path / 'split'}", "--init_from=resume").returncode == 137
+    monkeypatch.delenv("KILL_AT_CALL")
     resumed = run_main("rl.py", f"--out_dir={tmp_path / 'split'}", "--init_from=resume")
     assert resumed.returncode == 0, resumed.stderr
     a, b = (torch.load(p / "ckpt.pt", weights_only=True) for p in (whole, tmp_path / "split"))
@@ -193,17 +193,25 @@ def test_the_result_is_a_chat_model_that_eval_chat_and_export_read(sft_run, spel
     (["--rewards=spell=missing.py:spell"], "no file missing.py"),
     (["--rewards=spell=json:nothing"], "json has no function nothing"),
     (["--rewards=spell=builtins:slice"], "a reward is a number in [0, 1]"),
+    (["--rewards=spel=chars"], "no conversation of task 'spel'"),
+    (["--rewards=spell=operator:truediv"], "the reward of task 'spell' raised TypeError"),
+    (["--tasks=count"], "tasks: count not in"),
 ])  # fmt: skip
 def test_bad_input_is_one_line(sft_run, spell_task, tmp_path, extra, message):
     result = run_main("rl.py", *rl_args(sft_run, spell_task, tmp_path / "bad", "--max_iters=1", *extra))
     assert result.returncode == 2 and message in one_error_line(result)
 
 
-def test_it_starts_from_a_chat_model_and_resumes_only_its_own_runs(trained_run, sft_run, tmp_path):
+def test_it_starts_from_a_chat_model_and_resumes_only_its_own_runs(trained_run, sft_run, spell_task, tmp_path):
+    data = [f"--prompts={spell_task[1]}", f"--eval_chats={spell_task[2]}"]
+    long = spell_conversations(["king", "queen " * 8], tmp_path / "long.jsonl")  # a prompt past block_size (32)
+    result = run_main("rl.py", f"--init_from={sft_run}", f"--prompts={long}", f"--eval_chats={spell_task[2]}",
+                      f"--out_dir={tmp_path / 'x'}")
+    assert result.returncode == 2 and "long.jsonl: conversation 1 (task 'spell') has a prompt of" in one_error_line(result)
     for args, message in ((["--init_from="], "init_from: give the chat run"),
                           ([f"--init_from={trained_run}"], "is not a chat model"),
                           ([f"--init_from={sft_run}", f"--out_dir={sft_run}"], "exists: continue it"),
                           (["--init_from=resume", f"--out_dir={sft_run}"], "written by train.py, not rl.py"),
                           ([f"--init_from={tmp_path}"], "no such checkpoint")):
-        result = run_main("rl.py", *args)
+        result = run_main("rl.py", *data, *args)
         assert result.returncode == 2 and message in one_error_line(result), (args, result.stderr)
