@@ -346,9 +346,9 @@ class RLRun:
     def __init__(self, c, state, path, device):
         """state: the checkpoint at path, the chat run's (a fresh run) or this run's own (a resumed one)."""
         self.device, self.device_type = device, torch.device(device).type
-        self.world = Dist(self.device_type)
-        if self.world.enabled:
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # (before Dist would start a process group)
             raise ConfigError("rl.py runs in one process; run it with python, not torchrun")
+        self.world = Dist(self.device_type)
         model = model_from_checkpoint(state, path)  # (a LoRA run: merged)
         if model.config.family != "decoder":
             raise ConfigError(f"{path}: a {model.config.family} model; rl.py samples replies from a decoder-only chat model")

@@ -32,6 +32,8 @@ def test_advantages_are_measured_within_each_group_and_only_mixed_groups_count()
     scaled, _ = rl.advantages(rewards, scale=True)
     assert torch.allclose(scaled[0], torch.tensor([1.0, -1.0, -1.0, 1.0]) * 0.75 ** 0.5)  # / the sample std, (1/3) ** 0.5
     assert scaled[3].abs().sum() == 0
+    same, mixed = rl.advantages(torch.full((1, 16), 5 / 6), scale=True)  # (a float32 std of 6e-8: was "mixed")
+    assert not mixed.any() and same.abs().sum() == 0
 
 
 def naive_loss(model, rows, temperature):
