@@ -7,12 +7,12 @@ Reinforcement learning with verifiable rewards on a chat model: GRPO's groups, s
 
 Each step takes prompts_per_step conversations from `prompts` (JSON lines whose last assistant turn is the
 reference: data/chat_tasks/prepare.py --rl writes them), samples group_size replies to each at
-`temperature` in one generate() call, scores every reply with its task's reward (REWARDS, or a function of
+`temperature` through generate(lengths=...), scores every reply with its task's reward (REWARDS, or a function of
 yours: `rewards`), and takes one AdamW step on the groups whose rewards differ: each reply token's
 log-probability weighted by its advantage, reward - group mean (/ the group's std with scale_rewards),
 plus kl_coef times an estimate of the KL divergence to the starting model. A group whose replies all
 score alike teaches nothing (every advantage is 0) and is not run. Every eval_interval steps: greedy exact
-match per task on eval_chats (eval.py's rule), pass@k at the sampling temperature, and a checkpoint in
+match per task on eval_chats (eval.py's comparison), pass@k at the sampling temperature, and a checkpoint in
 train.py's format, so chat.py, eval.py, export.py and serve.py read the result as they read a fine-tune.
 """
 
@@ -439,7 +439,7 @@ def read_data(c):
     return train_set, eval_set
 
 
-def check_prompts(c, tokenizer, block_size, files):
+def check_prompts(tokenizer, block_size, files):
     """A DataError naming the first conversation whose prompt leaves no room for a reply in the context: found
     now, not when a step draws it."""
     for path, conversations in files:
@@ -469,7 +469,7 @@ def rl(c, explicit, script=False):
                               f"resume it there (--device={ckpt['precision']['device_type']}); its random streams are that device's")
     torch.manual_seed(c.seed)
     run = RLRun(c, start if ckpt is None else ckpt, os.path.join(c.out_dir if ckpt else start_dir, CHECKPOINT), device)
-    check_prompts(c, run.tokenizer, run.model_config.block_size, ((c.prompts, train_set), (c.eval_chats, eval_set)))
+    check_prompts(run.tokenizer, run.model_config.block_size, ((c.prompts, train_set), (c.eval_chats, eval_set)))
     reference = None
     if c.kl_coef:
         reference = run.without_dropout(model_from_checkpoint(start, start_path)).to(device).eval().requires_grad_(False)
