@@ -161,10 +161,10 @@ def test_a_run_stopped_or_killed_mid_step_resumes_exactly(sft_run, spell_task, t
 def test_rl_raises_the_reward_of_a_users_task(sft_run, spell_task, tmp_path):
     """The guide's example: "spell WORD" (here with dots: the test model's characters have no dash), added with
     a reward function of the user's (a file, partial credit per character in place). The tiny model answers
-    nothing like it (reward ~0.02); a few steps at a high rate learn the reply's shape, dots between
+    nothing like it (reward ~0.02); a few steps at a high rate (here 6) learn the reply's shape, dots between
     letters (~0.27: the dots alone are 3/7 of "k.i.n.g")."""
     out = tmp_path / "learn"
-    result = run_main("rl.py", *rl_args(sft_run, spell_task, out, "--max_iters=10", "--eval_interval=10",
+    result = run_main("rl.py", *rl_args(sft_run, spell_task, out, "--max_iters=14", "--eval_interval=14",
                                         "--pass_per_task=0", "--learning_rate=0.1", "--min_lr=0.1"))
     assert result.returncode == 0, result.stderr
     rewards = [r["reward_spell"] for r in metrics(out) if "reward" in r]
