@@ -190,7 +190,12 @@ def model_from_checkpoint(state, path):
 
 def with_dropout(model, dropout):
     """The model rebuilt with another dropout (the modules carry their own rate), or itself for 0."""
-    if not dropout:
+    return at_dropout(model, dropout) if dropout else model
+
+
+def at_dropout(model, dropout):
+    """The model at this dropout rate: rebuilt with it (the modules carry their own rate), or itself if it has it."""
+    if dropout == model.config.dropout:
         return model
     tuned = GPT(replace(model.config, dropout=dropout))
     tuned.load_state_dict(model.state_dict())

@@ -383,6 +383,11 @@ def reply_of(tokenizer, prompt, ids):
     return continuation(tokenizer, prompt, ids).split("\n")[0].strip()
 
 
+def exact_match(reply, reference):
+    """--chats' rule (rl.py's default reward too): the reference itself, surrounding whitespace aside."""
+    return reply.strip() == reference.strip()
+
+
 def answer_chats(c):
     """Exact match of the greedy replies to --chats' conversations, per task and overall. One conversation
     at a time, as chat.py answers it: a batch's products may round otherwise than a single row's, and a
@@ -402,7 +407,7 @@ def answer_chats(c):
         for task, messages in conversations:
             shots = [m for shot in examples.get(task, [])[: c.chats_fewshot] for m in shot[-2:]]  # its last exchange
             reply = greedy_reply(model, tokenizer, shots + messages[:-1], c.max_new_tokens, device, task)
-            right = reply.strip() == messages[-1]["content"].strip()
+            right = exact_match(reply, messages[-1]["content"])
             rows.append({"task": task, "reply": reply, "reference": messages[-1]["content"], "exact": right})
             tasks.setdefault(task, []).append(right)
             progress.update()

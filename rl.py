@@ -23,19 +23,18 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
-from checkpoint import (CHECKPOINT, CheckpointError, Logger, RunLock, RunState, StopRequest, exit_now, load_checkpoint,
-                        model_from_checkpoint)
+from checkpoint import (CHECKPOINT, CheckpointError, Logger, RunLock, RunState, StopRequest, at_dropout, exit_now,
+                        load_checkpoint, model_from_checkpoint)
 from configurator import ConfigError, DataError, cli_main, keys_of, parse_config
 from device import DEVICES, Dist, pick_device
-from eval import chat_prompt, read_chats, reply_of
+from eval import chat_prompt, exact_match, read_chats, reply_of
 from generate import Sampling, stream_rows
 import lora
-from model import GPT
 from optim import clip_gradients, get_lr
 from tokenizer import ChatTokenizer, tokenizer_from_meta
 
@@ -92,7 +91,7 @@ RL_KEYS = [f.name for f in fields(RLConfig)]
 
 def exact(reply, reference, messages):
     """1 for the reference itself (eval.py --chats' rule: surrounding whitespace aside), else 0."""
-    return float(reply.strip() == reference.strip())
+    return float(exact_match(reply, reference))
 
 
 def chars(reply, reference, messages):
@@ -370,11 +369,7 @@ class RLRun:
     @staticmethod
     def without_dropout(model):
         """The model with dropout 0: the update's log-probabilities must be those of the policy that sampled."""
-        if not model.config.dropout:
-            return model
-        plain = GPT(replace(model.config, dropout=0.0))
-        plain.load_state_dict(model.state_dict())
-        return plain
+        return at_dropout(model, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """rl.py: rewards, GRPO's groups and update (against a naive loop), exact resume, a user's own task, bad input."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -61,7 +62,7 @@ def test_the_update_is_the_advantage_weighted_log_likelihood_of_the_replies_alon
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, naive))
     assert logged["entropy"] > 0 and "kl" not in logged
     # the KL term: zero against itself, positive against another model, and it adds kl_coef x itself
-    kl = rl.replace(c, kl_coef=0.5)
+    kl = dataclasses.replace(c, kl_coef=0.5)
     same, logged = rl.policy_loss(model, model, rows, kl, "cpu")
     assert logged["kl"] == pytest.approx(0.0, abs=1e-7) and torch.allclose(same, loss, atol=1e-6)
     other, logged = rl.policy_loss(model, build(seed=1, vocab_size=40), rows, kl, "cpu")
